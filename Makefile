@@ -1,0 +1,27 @@
+# `make test` and `make demo` work on a fresh machine with only python3:
+# each creates .venv, installs the project into it, then runs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q -m "not slow" -n 2 --dist loadfile
+
+demo: $(STAMP)
+	$(VENV)/bin/nan2safe demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info

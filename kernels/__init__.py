@@ -1,0 +1,1 @@
+"""Pallas safe-reduction kernels (installed as nan2safe_jax.kernels)."""

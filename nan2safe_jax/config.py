@@ -1,0 +1,228 @@
+"""Config: every threshold of SPEC.md in one frozen, validated object.
+
+The defaults are the write-up's, tuned on 7B/13B models (SPEC.md, "Parameters"). A Config is
+hashable and immutable so it can sit in a jitted function's closure or a pytree's static
+fields; every field is checked at construction and a bad value raises ``ValueError`` naming the
+field, the value received and the accepted range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+def _check(ok: bool, name: str, value, accepted: str) -> None:
+    if not ok:
+        raise ValueError(f"Config.{name} must be {accepted}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Thresholds and factors of both tiers.
+
+    Attributes:
+      window: EMA window of the detector baseline; ``alpha = 2 / (window + 1)``.
+      z_threshold: z-score above which a probe counts half a risk point (write-up: 4.0-6.0).
+      diff_threshold: second-difference threshold, in baseline std units (~60% of z_threshold).
+      min_history: samples a probe needs before it may take part in a decision (warm-up).
+      headroom_limit: ``max_abs / finfo(dtype).max`` past which a probe is full risk by itself.
+      trigger_risk: risk at or above which the policy downshifts FAST -> STABLE.
+      lr_jump: relative learning-rate change that counts as a schedule jump.
+      lr_cooldown: steps after a learning-rate jump during which thresholds are relaxed.
+      lr_cooldown_factor: factor applied to both thresholds during the cool-down.
+      loss_scale_init: initial dynamic loss scale (2**15 suits fp16).
+      loss_scale_period: finite steps before the loss scale grows by ``loss_scale_factor``.
+      loss_scale_factor: growth factor of the loss scale; its inverse is the back-off.
+      loss_scale_min, loss_scale_max: bounds of the dynamic loss scale.
+      loss_scale_downshift: factor applied to the loss scale on the first downshift (1/256).
+      clip_norm: global-norm clip threshold in FAST; ``None`` disables clipping.
+      clip_downshift: clip threshold factor below FAST (0.5).
+      safe_lr_factor: learning-rate factor while any site (or the whole model) is in SAFE.
+      safe_max_steps: longest SAFE stay before a site returns to STABLE.
+      safe_backoff_max: cap on the number of doublings of a repeat offender's SAFE stay.
+      recovery_window: consecutive calm steps before STABLE returns to FAST.
+      ring_buffer: batches kept on the host for replay.
+      checkpoint_every: steps between checkpoints (trainer).
+      max_incidents: non-finite incidents after which the trainer stops with an error.
+      log_every: steps between metric records in ``metrics.jsonl`` (trainer).
+    """
+
+    window: int = 128
+    z_threshold: float = 5.0
+    diff_threshold: float = 3.0
+    min_history: int = 16
+    headroom_limit: float = 0.5
+    trigger_risk: float = 1.0
+    lr_jump: float = 0.2
+    lr_cooldown: int = 40
+    lr_cooldown_factor: float = 2.0
+    loss_scale_init: float = 2.0**15
+    loss_scale_period: int = 2000
+    loss_scale_factor: float = 2.0
+    loss_scale_min: float = 1.0
+    loss_scale_max: float = 2.0**24
+    loss_scale_downshift: float = 1.0 / 256
+    clip_norm: float | None = 1.0
+    clip_downshift: float = 0.5
+    safe_lr_factor: float = 0.1
+    safe_max_steps: int = 8
+    safe_backoff_max: int = 4
+    recovery_window: int = 64
+    ring_buffer: int = 16
+    checkpoint_every: int = 50
+    max_incidents: int = 8
+    log_every: int = 1
+
+    def __post_init__(self):
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        _check(is_int(self.window) and self.window >= 2, "window", self.window, "an int >= 2")
+        _check(
+            is_num(self.z_threshold) and self.z_threshold > 0,
+            "z_threshold",
+            self.z_threshold,
+            "> 0 (the write-up uses 4.0-6.0)",
+        )
+        _check(
+            is_num(self.diff_threshold) and self.diff_threshold > 0,
+            "diff_threshold",
+            self.diff_threshold,
+            "> 0 (about 60% of z_threshold)",
+        )
+        _check(
+            is_int(self.min_history) and 3 <= self.min_history,
+            "min_history",
+            self.min_history,
+            "an int >= 3 (the second difference needs three samples)",
+        )
+        _check(
+            is_num(self.headroom_limit) and 0 < self.headroom_limit <= 1,
+            "headroom_limit",
+            self.headroom_limit,
+            "in (0, 1]",
+        )
+        _check(
+            is_num(self.trigger_risk) and 0 < self.trigger_risk <= 1,
+            "trigger_risk",
+            self.trigger_risk,
+            "in (0, 1]",
+        )
+        _check(is_num(self.lr_jump) and self.lr_jump > 0, "lr_jump", self.lr_jump, "> 0")
+        _check(
+            is_int(self.lr_cooldown) and self.lr_cooldown >= 0,
+            "lr_cooldown",
+            self.lr_cooldown,
+            "an int >= 0 (the write-up uses 30-50)",
+        )
+        _check(
+            is_num(self.lr_cooldown_factor) and self.lr_cooldown_factor >= 1,
+            "lr_cooldown_factor",
+            self.lr_cooldown_factor,
+            ">= 1",
+        )
+        _check(
+            is_num(self.loss_scale_min) and self.loss_scale_min > 0,
+            "loss_scale_min",
+            self.loss_scale_min,
+            "> 0",
+        )
+        _check(
+            is_num(self.loss_scale_max) and self.loss_scale_max >= self.loss_scale_min,
+            "loss_scale_max",
+            self.loss_scale_max,
+            f">= loss_scale_min ({self.loss_scale_min})",
+        )
+        _check(
+            is_num(self.loss_scale_init)
+            and self.loss_scale_min <= self.loss_scale_init <= self.loss_scale_max,
+            "loss_scale_init",
+            self.loss_scale_init,
+            f"in [loss_scale_min, loss_scale_max] = [{self.loss_scale_min}, {self.loss_scale_max}]",
+        )
+        _check(
+            is_int(self.loss_scale_period) and self.loss_scale_period >= 1,
+            "loss_scale_period",
+            self.loss_scale_period,
+            "an int >= 1",
+        )
+        _check(
+            is_num(self.loss_scale_factor) and self.loss_scale_factor > 1,
+            "loss_scale_factor",
+            self.loss_scale_factor,
+            "> 1",
+        )
+        _check(
+            is_num(self.loss_scale_downshift) and 0 < self.loss_scale_downshift <= 1,
+            "loss_scale_downshift",
+            self.loss_scale_downshift,
+            "in (0, 1] (the write-up uses 1/256)",
+        )
+        _check(
+            self.clip_norm is None or (is_num(self.clip_norm) and self.clip_norm > 0),
+            "clip_norm",
+            self.clip_norm,
+            "None or > 0",
+        )
+        _check(
+            is_num(self.clip_downshift) and 0 < self.clip_downshift <= 1,
+            "clip_downshift",
+            self.clip_downshift,
+            "in (0, 1]",
+        )
+        _check(
+            is_num(self.safe_lr_factor) and 0 < self.safe_lr_factor <= 1,
+            "safe_lr_factor",
+            self.safe_lr_factor,
+            "in (0, 1]",
+        )
+        _check(
+            is_int(self.safe_max_steps) and self.safe_max_steps >= 1,
+            "safe_max_steps",
+            self.safe_max_steps,
+            "an int >= 1 (the write-up uses 5-10)",
+        )
+        _check(
+            is_int(self.safe_backoff_max) and 0 <= self.safe_backoff_max <= 16,
+            "safe_backoff_max",
+            self.safe_backoff_max,
+            "an int in [0, 16]",
+        )
+        _check(
+            is_int(self.recovery_window) and self.recovery_window >= 1,
+            "recovery_window",
+            self.recovery_window,
+            "an int >= 1",
+        )
+        _check(
+            is_int(self.ring_buffer) and self.ring_buffer >= 1,
+            "ring_buffer",
+            self.ring_buffer,
+            "an int >= 1 (the write-up keeps 10-20)",
+        )
+        _check(
+            is_int(self.checkpoint_every) and self.checkpoint_every >= 1,
+            "checkpoint_every",
+            self.checkpoint_every,
+            "an int >= 1",
+        )
+        _check(
+            is_int(self.max_incidents) and self.max_incidents >= 1,
+            "max_incidents",
+            self.max_incidents,
+            "an int >= 1",
+        )
+        _check(is_int(self.log_every) and self.log_every >= 1, "log_every", self.log_every, ">= 1")
+
+    @property
+    def alpha(self) -> float:
+        """EMA smoothing factor, ``2 / (window + 1)``."""
+        return 2.0 / (self.window + 1)
+
+    def replace(self, **changes) -> Config:
+        """Returns a copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)

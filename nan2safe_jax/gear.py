@@ -1,0 +1,212 @@
+"""Gears as data: the ``GearState`` pytree and its pure transition functions.
+
+A gear is an int32 that the step reads with ``lax.switch``; the state that holds the gears is a
+pytree carried through the jitted step. A downshift is therefore a change of *values*, never of
+code: it takes effect on the very next step and never recompiles (SPEC.md, "Three gears").
+
+The global ``level`` applies to every site; ``sites`` holds each site's own gear, so the
+effective gear of a site is ``max(level, sites[name])``. Per-site gears have the shape of the
+site's gear variable: a scalar for an ordinary module, ``[num_layers]`` for a module stacked by
+``nnx.scan``, so one layer of a scanned stack can be put in SAFE alone.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from nan2safe_jax.config import Config
+
+MAX_I32 = 2**31 - 1
+
+
+class Gear(enum.IntEnum):
+    """The three gears of SPEC.md: ``FAST`` (0), ``STABLE`` (1), ``SAFE`` (2)."""
+
+    FAST = 0
+    STABLE = 1
+    SAFE = 2
+
+
+class GearState(struct.PyTreeNode):
+    """Global and per-site gears, SAFE dwell counters, calm counter and event counters.
+
+    Every field is an int32 array; the dict fields are keyed by site name (module path).
+    """
+
+    level: jax.Array  # i32[] global gear, applies to every site
+    level_safe_left: jax.Array  # i32[] steps left in a global SAFE stay
+    sites: dict[str, jax.Array]  # i32[*site_shape] each site's own gear
+    safe_left: dict[str, jax.Array]  # i32[*site_shape] steps left in SAFE
+    safe_entries: dict[str, jax.Array]  # i32[*site_shape] SAFE entries so far (back-off)
+    calm: jax.Array  # i32[] consecutive calm, finite steps
+    downshifts: jax.Array  # i32[] FAST -> STABLE transitions so far
+    recoveries: jax.Array  # i32[] returns to FAST so far
+
+    @classmethod
+    def create(cls, sites: Mapping[str, tuple[int, ...]] | None = None) -> GearState:
+        """A state with every gear FAST.
+
+        Args:
+          sites: site name -> shape of its gear (``()`` for one module, ``(L,)`` for a stack).
+        """
+        sites = dict(sites or {})
+        zeros = {k: jnp.zeros(tuple(s), jnp.int32) for k, s in sites.items()}
+        z = jnp.zeros([], jnp.int32)
+        return cls(
+            level=z,
+            level_safe_left=z,
+            sites=zeros,
+            safe_left=dict(zeros),
+            safe_entries=dict(zeros),
+            calm=z,
+            downshifts=z,
+            recoveries=z,
+        )
+
+
+def _check_gear(gear) -> int:
+    try:
+        g = int(gear)
+    except (TypeError, ValueError):
+        raise ValueError(f"gear must be one of Gear.FAST/STABLE/SAFE (0, 1, 2), got {gear!r}")
+    if g not in (0, 1, 2):
+        raise ValueError(f"gear must be one of Gear.FAST/STABLE/SAFE (0, 1, 2), got {gear!r}")
+    return g
+
+
+def _inc(x: jax.Array, by=1) -> jax.Array:
+    """Saturating int32 increment."""
+    return jnp.where(x >= MAX_I32 - by, MAX_I32, x + by).astype(jnp.int32)
+
+
+def effective(gs: GearState, site: str) -> jax.Array:
+    """The gear a site runs in: the stricter of the global level and its own gear."""
+    return jnp.maximum(gs.level, gs.sites[site]).astype(jnp.int32)
+
+
+def any_safe(gs: GearState) -> jax.Array:
+    """True when the whole model or any site is in SAFE (the learning-rate factor applies)."""
+    flags = [gs.level >= Gear.SAFE] + [jnp.any(g >= Gear.SAFE) for g in gs.sites.values()]
+    return jnp.any(jnp.stack(flags))
+
+
+def safe_dwell(entries: jax.Array, cfg: Config) -> jax.Array:
+    """SAFE stay for a site entering SAFE for the ``entries + 1``-th time: doubles per repeat."""
+    doublings = jnp.minimum(entries, cfg.safe_backoff_max)
+    return (cfg.safe_max_steps * jnp.left_shift(1, doublings)).astype(jnp.int32)
+
+
+def set_level(gs: GearState, gear, cfg: Config | None = None) -> GearState:
+    """Sets the global gear by hand (or from tier 2 when the culprit lies in no site).
+
+    Entering SAFE starts a stay of ``cfg.safe_max_steps`` steps.
+    """
+    g = _check_gear(gear)
+    cfg = cfg or Config()
+    left = jnp.asarray(cfg.safe_max_steps if g == Gear.SAFE else 0, jnp.int32)
+    return gs.replace(level=jnp.asarray(g, jnp.int32), level_safe_left=left, calm=gs.calm * 0)
+
+
+def set_site(
+    gs: GearState, name: str, gear, *, index: int | None = None, cfg: Config | None = None
+) -> GearState:
+    """Sets one site's gear (all of a stacked site, or layer ``index`` of it).
+
+    Entering SAFE counts an entry for back-off and starts a stay of
+    ``safe_max_steps * 2**previous_entries`` steps (capped by ``safe_backoff_max``).
+
+    Raises:
+      ValueError: unknown site name, bad gear, or an index into a scalar site.
+    """
+    g = _check_gear(gear)
+    cfg = cfg or Config()
+    if name not in gs.sites:
+        raise ValueError(f"unknown site {name!r}; known sites: {sorted(gs.sites)}")
+    cur = gs.sites[name]
+    if index is None:
+        sel = jnp.ones(cur.shape, bool)
+    else:
+        if cur.ndim == 0:
+            raise ValueError(f"site {name!r} is not stacked; index must be None, got {index!r}")
+        sel = jnp.zeros(cur.shape, bool).at[index].set(True)
+    entries = gs.safe_entries[name]
+    if g == Gear.SAFE:
+        left = jnp.where(sel, safe_dwell(entries, cfg), gs.safe_left[name])
+        entries = jnp.where(sel, _inc(entries), entries)
+    else:
+        left = jnp.where(sel, 0, gs.safe_left[name])
+    return gs.replace(
+        sites={**gs.sites, name: jnp.where(sel, g, cur).astype(jnp.int32)},
+        safe_left={**gs.safe_left, name: left.astype(jnp.int32)},
+        safe_entries={**gs.safe_entries, name: entries.astype(jnp.int32)},
+        calm=gs.calm * 0,
+    )
+
+
+def decide(
+    gs: GearState,
+    risk: jax.ArrayLike,
+    nonfinite: jax.ArrayLike,
+    cfg: Config,
+    calm: jax.ArrayLike | None = None,
+) -> GearState:
+    """The policy: next step's gears from this step's risk (SPEC.md, Tier 1 and Recovery).
+
+    Detection comes first and is separate: ``risk`` is already computed. Then:
+      - downshift FAST -> STABLE when ``risk >= trigger_risk`` or anything was non-finite;
+      - every SAFE stay counts down; at zero the site (or the whole model) returns to STABLE;
+      - after ``recovery_window`` consecutive calm, finite steps with nothing in SAFE, every
+        STABLE gear returns to FAST. Recovery is staged: SAFE never jumps to FAST.
+
+    Args:
+      gs: the gears this step ran with.
+      risk: f32[] overall risk in [0, 1].
+      nonfinite: bool[] (or count) whether the step saw any non-finite value.
+      cfg: thresholds.
+      calm: bool[] whether every z was below half its threshold; defaults to ``risk == 0``.
+
+    Returns:
+      The gears for the next step.
+    """
+    risk = jnp.asarray(risk, jnp.float32)
+    bad = jnp.asarray(nonfinite) > 0
+    calm = (risk <= 0.0) if calm is None else jnp.asarray(calm, bool)
+    trigger = (risk >= cfg.trigger_risk) | bad
+    downshift = trigger & (gs.level == Gear.FAST)
+    level = jnp.where(downshift, Gear.STABLE, gs.level)
+
+    # SAFE stays count down whatever happens; leaving SAFE lands in STABLE (staged).
+    lvl_safe = level == Gear.SAFE
+    lvl_left = jnp.where(lvl_safe, gs.level_safe_left - 1, 0)
+    level = jnp.where(lvl_safe & (lvl_left <= 0), Gear.STABLE, level)
+    sites, safe_left = {}, {}
+    for name, g in gs.sites.items():
+        in_safe = g == Gear.SAFE
+        left = jnp.where(in_safe, gs.safe_left[name] - 1, 0)
+        sites[name] = jnp.where(in_safe & (left <= 0), Gear.STABLE, g)
+        safe_left[name] = jnp.maximum(left, 0)
+
+    calm_count = jnp.where(calm & ~trigger, _inc(gs.calm), 0)
+    still_safe = [level >= Gear.SAFE] + [jnp.any(g >= Gear.SAFE) for g in sites.values()]
+    below = [level > Gear.FAST] + [jnp.any(g > Gear.FAST) for g in sites.values()]
+    ready = (calm_count >= cfg.recovery_window) & ~jnp.any(jnp.stack(still_safe))
+    recover = ready & jnp.any(jnp.stack(below))
+    level = jnp.where(recover, Gear.FAST, level)
+    sites = {k: jnp.where(recover, Gear.FAST, g) for k, g in sites.items()}
+    calm_count = jnp.where(recover, 0, calm_count)
+
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
+    return gs.replace(
+        level=i32(level),
+        level_safe_left=i32(jnp.maximum(lvl_left, 0)),
+        sites={k: i32(v) for k, v in sites.items()},
+        safe_left={k: i32(v) for k, v in safe_left.items()},
+        calm=i32(calm_count),
+        downshifts=jnp.where(downshift, _inc(gs.downshifts), gs.downshifts),
+        recoveries=jnp.where(recover, _inc(gs.recoveries), gs.recoveries),
+    )
