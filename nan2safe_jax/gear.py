@@ -73,7 +73,9 @@ def _check_gear(gear) -> int:
     try:
         g = int(gear)
     except (TypeError, ValueError):
-        raise ValueError(f"gear must be one of Gear.FAST/STABLE/SAFE (0, 1, 2), got {gear!r}")
+        raise ValueError(
+            f"gear must be one of Gear.FAST/STABLE/SAFE (0, 1, 2), got {gear!r}"
+        ) from None
     if g not in (0, 1, 2):
         raise ValueError(f"gear must be one of Gear.FAST/STABLE/SAFE (0, 1, 2), got {gear!r}")
     return g

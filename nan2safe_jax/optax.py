@@ -1,0 +1,274 @@
+"""optax transforms that read the gear: loss scale, geared clipping, skip-non-finite, lr factor.
+
+Each transform is an ``optax.GradientTransformationExtraArgs``; the gear arrives as the extra
+argument ``gear`` (a ``GearState``, or an int32 level) and, for the ones that need it, the
+step's finiteness as ``finite`` (a bool computed once by the step; computed here when absent).
+``guard(inner, cfg)`` chains them around any optimizer.
+
+References:
+  Micikevicius et al. 2018, "Mixed Precision Training" (dynamic loss scaling).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from nan2safe_jax import gear as gear_lib
+from nan2safe_jax.config import Config
+from nan2safe_jax.gear import Gear, GearState
+
+MAX_I32 = gear_lib.MAX_I32
+
+
+def all_finite(tree) -> jax.Array:
+    """bool[]: every floating leaf of ``tree`` is finite (True for an empty tree)."""
+    leaves = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree_util.tree_leaves(tree)
+        if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)
+    ]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def global_norm(tree) -> jax.Array:
+    """f32[] L2 norm of all leaves, computed without overflow (scaled by the max magnitude).
+
+    ``optax.global_norm`` squares in the leaf dtype: an fp16 gradient of 300 squares past 65504.
+    """
+    leaves = [jnp.asarray(x, jnp.float32) for x in jax.tree_util.tree_leaves(tree)]
+    if not leaves:
+        return jnp.zeros([], jnp.float32)
+    m = jnp.max(jnp.stack([jnp.max(jnp.abs(x), initial=0.0) for x in leaves]))
+    safe_m = jnp.where((m > 0) & jnp.isfinite(m), m, 1.0)
+    sq = sum(jnp.sum(jnp.square(x / safe_m)) for x in leaves)
+    return jnp.where(jnp.isfinite(m), safe_m * jnp.sqrt(sq), m)
+
+
+def select_tree(pred: jax.Array, on_true, on_false):
+    """Leafwise ``jnp.where(pred, on_true, on_false)`` (bit-exact on the chosen side)."""
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def _level(gear) -> jax.Array:
+    if isinstance(gear, GearState):
+        return gear.level
+    return jnp.asarray(0 if gear is None else gear, jnp.int32)
+
+
+def _in_safe(gear) -> jax.Array:
+    if isinstance(gear, GearState):
+        return gear_lib.any_safe(gear)
+    return _level(gear) >= Gear.SAFE
+
+
+def _finite(updates, finite) -> jax.Array:
+    return all_finite(updates) if finite is None else jnp.asarray(finite, bool)
+
+
+# --------------------------------------------------------------------------- loss scale
+
+
+class LossScaleState(NamedTuple):
+    scale: jax.Array  # f32[] current loss scale
+    good_steps: jax.Array  # i32[] finite steps since the last change
+    level: jax.Array  # i32[] global gear seen at the last update (detects the first downshift)
+
+
+def dynamic_loss_scale(cfg: Config) -> optax.GradientTransformationExtraArgs:
+    """Dynamic loss scale whose value lives in the optimizer state; updates pass through.
+
+    Backs off by ``1 / loss_scale_factor`` on a non-finite step, grows by ``loss_scale_factor``
+    after ``loss_scale_period`` finite steps, stays within ``[loss_scale_min, loss_scale_max]``,
+    and is cut by ``loss_scale_downshift`` (1/256) when the gear leaves FAST (the first downshift:
+    too large a scale is what overflows fp16 gradients).
+
+    The step reads the scale with ``loss_scale_of(opt_state)`` to scale the loss, then passes the
+    *unscaled* gradients to ``update``.
+    """
+
+    def init_fn(params):
+        del params
+        return LossScaleState(
+            scale=jnp.asarray(cfg.loss_scale_init, jnp.float32),
+            good_steps=jnp.zeros([], jnp.int32),
+            level=jnp.zeros([], jnp.int32),
+        )
+
+    def update_fn(updates, state, params=None, *, gear=None, finite=None, **extra):
+        del params, extra
+        ok = _finite(updates, finite)
+        level = _level(gear)
+        good = jnp.where(ok, jnp.minimum(state.good_steps + 1, MAX_I32), 0)
+        grow = good >= cfg.loss_scale_period
+        scale = jnp.where(ok, state.scale, state.scale / cfg.loss_scale_factor)
+        scale = jnp.where(grow, scale * cfg.loss_scale_factor, scale)
+        downshift = (state.level == Gear.FAST) & (level > Gear.FAST)
+        scale = jnp.where(downshift, scale * cfg.loss_scale_downshift, scale)
+        scale = jnp.clip(scale, cfg.loss_scale_min, cfg.loss_scale_max).astype(jnp.float32)
+        new = LossScaleState(scale, jnp.where(grow, 0, good).astype(jnp.int32), level)
+        return updates, new
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------- clipping
+
+
+class GearedClipState(NamedTuple):
+    clipped: jax.Array  # i32[] steps clipped so far (saturating)
+
+
+def geared_clip(
+    max_norm: float | None, factors=(1.0, 0.5, 0.5)
+) -> optax.GradientTransformationExtraArgs:
+    """Clips by global norm with a threshold that tightens as the gear drops.
+
+    The threshold is ``max_norm * factors[level]``. The norm is computed without overflow, and a
+    non-finite norm scales the update to zero instead of turning it into NaN.
+
+    Args:
+      max_norm: FAST threshold; ``None`` passes updates through.
+      factors: threshold factor for FAST, STABLE and SAFE.
+    """
+    factors = tuple(float(f) for f in factors)
+    if len(factors) != 3 or not all(0 < f <= 1 for f in factors):
+        raise ValueError(f"factors must be three values in (0, 1], got {factors!r}")
+
+    def init_fn(params):
+        del params
+        return GearedClipState(clipped=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None, *, gear=None, **extra):
+        del params, extra
+        if max_norm is None:
+            return updates, state
+        thr = max_norm * jnp.asarray(factors, jnp.float32)[jnp.clip(_level(gear), 0, 2)]
+        norm = global_norm(updates)
+        ok = jnp.isfinite(norm)
+        factor = jnp.where(ok, jnp.minimum(1.0, thr / jnp.maximum(norm, 1e-30)), 0.0)
+        clipped = jax.tree_util.tree_map(
+            lambda u: jnp.where(jnp.isfinite(u), u * factor.astype(u.dtype), 0).astype(u.dtype),
+            updates,
+        )
+        hit = (factor < 1.0).astype(jnp.int32)
+        return clipped, GearedClipState(jnp.minimum(state.clipped + hit, MAX_I32))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------- lr factor
+
+
+def safe_lr_factor(factor: float) -> optax.GradientTransformationExtraArgs:
+    """Scales updates by ``factor`` while the model or any site is in SAFE (SPEC.md)."""
+
+    def update_fn(updates, state, params=None, *, gear=None, **extra):
+        del params, extra
+        f = jnp.where(_in_safe(gear), factor, 1.0)
+        return jax.tree_util.tree_map(lambda u: (u * f).astype(u.dtype), updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update_fn)
+
+
+# --------------------------------------------------------------------------- skip
+
+
+class SkipState(NamedTuple):
+    inner: optax.OptState
+    skipped: jax.Array  # i32[] steps skipped so far (saturating)
+    streak: jax.Array  # i32[] consecutive skipped steps
+
+
+def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """Skips the whole update, keeping ``inner``'s state, when the gradients are not finite.
+
+    Unlike ``optax.apply_if_finite``, it never applies a non-finite update, however many come in
+    a row: a run that keeps producing NaN stalls visibly (``streak``) instead of poisoning its
+    parameters. The skipped branch is not computed (``lax.cond``).
+    """
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        z = jnp.zeros([], jnp.int32)
+        return SkipState(inner.init(params), z, z)
+
+    def update_fn(updates, state, params=None, *, finite=None, **extra):
+        ok = _finite(updates, finite)
+
+        def apply(args):
+            u, s = args
+            return inner.update(u, s, params, finite=ok, **extra)
+
+        def skip(args):
+            u, s = args
+            return jax.tree_util.tree_map(jnp.zeros_like, u), s
+
+        new_updates, new_inner = jax.lax.cond(ok, apply, skip, (updates, state.inner))
+        streak = jnp.where(ok, 0, jnp.minimum(state.streak + 1, MAX_I32))
+        skipped = jnp.where(ok, state.skipped, jnp.minimum(state.skipped + 1, MAX_I32))
+        return new_updates, SkipState(new_inner, skipped, streak)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------- guard
+
+
+class GuardState(NamedTuple):
+    loss_scale: LossScaleState
+    skip: SkipState  # skip.inner = (clip state, inner optimizer state, lr-factor state)
+
+
+def guard(inner: optax.GradientTransformation, cfg: Config | None = None):
+    """Wraps any optimizer: loss scale + geared clip + skip-non-finite + SAFE lr factor.
+
+    Order: the loss scale sees every step (it must back off on a non-finite one); the rest is
+    skipped as a whole when the gradients are not finite: geared clip, then ``inner``, then the
+    SAFE learning-rate factor on the final update.
+
+    Args:
+      inner: any optax transformation (e.g. ``optax.adamw(3e-4)``).
+      cfg: thresholds; defaults to ``Config()``.
+
+    Returns:
+      A ``GradientTransformationExtraArgs`` whose ``update`` takes ``gear=`` (a ``GearState``)
+      and optionally ``finite=``; its state is a ``GuardState``.
+    """
+    cfg = cfg or Config()
+    factors = (1.0, cfg.clip_downshift, cfg.clip_downshift)
+    scale_tx = dynamic_loss_scale(cfg)
+    body = skip_nonfinite(
+        optax.chain(
+            geared_clip(cfg.clip_norm, factors),
+            optax.with_extra_args_support(inner),
+            safe_lr_factor(cfg.safe_lr_factor),
+        )
+    )
+
+    def init_fn(params):
+        return GuardState(scale_tx.init(params), body.init(params))
+
+    def update_fn(updates, state, params=None, *, gear=None, finite=None, **extra):
+        ok = _finite(updates, finite)
+        _, ls = scale_tx.update(updates, state.loss_scale, params, gear=gear, finite=ok)
+        new_updates, sk = body.update(updates, state.skip, params, gear=gear, finite=ok, **extra)
+        return new_updates, GuardState(ls, sk)
+
+    tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return tx
+
+
+def is_guarded(opt_state) -> bool:
+    """True when ``opt_state`` is the state of ``guard``."""
+    return isinstance(opt_state, GuardState)
+
+
+def loss_scale_of(opt_state) -> jax.Array:
+    """The current loss scale held by a ``guard`` state (1.0 for any other state)."""
+    if isinstance(opt_state, GuardState):
+        return opt_state.loss_scale.scale
+    return jnp.ones([], jnp.float32)

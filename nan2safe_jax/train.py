@@ -1,0 +1,315 @@
+"""TrainState and make_train_step: the one jitted step with both gears and tier 1 inside.
+
+One step, as data (DESIGN.md): push the gears into the model's sites, run the forward (sites
+switch on their gear and write their probes), scale the loss, take gradients, unscale, score
+the probes, decide the next gears, and apply a guarded update. Nothing leaves the device.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax as optax_lib
+from flax import nnx, struct
+
+from nan2safe_jax import detector as det_lib
+from nan2safe_jax import gear as gear_lib
+from nan2safe_jax import optax as guard_lib
+from nan2safe_jax.config import Config
+from nan2safe_jax.detector import DetectorState
+from nan2safe_jax.gear import GearState
+from nan2safe_jax.site import Probe, name_sites, site_gears
+
+BUILTIN_PROBES = ("loss", "grad_norm", "update_norm")
+
+
+def _path_name(path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def collect_probes(model: nnx.Module) -> dict[str, jax.Array]:
+    """Every ``Probe`` variable of ``model`` as ``{name: f32[NUM_STATS]}``.
+
+    A stacked probe (``[L, NUM_STATS]``, from ``nnx.scan``) gives one probe per layer,
+    ``"path[i]"``, so a single layer's growth is not averaged away; sown probes (tuples) give
+    one per call.
+    """
+    out = {}
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, Probe):
+            continue
+        name = _path_name(path)
+        leaves = jax.tree_util.tree_leaves(node.get_value())
+        rows = [jnp.reshape(jnp.asarray(v, jnp.float32), (-1, det_lib.NUM_STATS)) for v in leaves]
+        if len(rows) == 1 and jnp.ndim(leaves[0]) == 1:
+            out[name] = rows[0][0]
+            continue
+        flat = jnp.concatenate(rows) if rows else jnp.zeros((0, det_lib.NUM_STATS))
+        for i in range(flat.shape[0]):
+            out[f"{name}[{i}]"] = flat[i]
+    return out
+
+
+class TrainState(struct.PyTreeNode):
+    """Everything the step carries: the model's state, optimizer state, gears and baselines."""
+
+    graphdef: Any = struct.field(pytree_node=False)
+    params: Any  # nnx.State of nnx.Param
+    rest: Any  # nnx.State of every other variable (site gears, probes, RNG, ...)
+    opt_state: Any  # guard state (see nan2safe_jax.optax.guard)
+    gear: GearState
+    detector: DetectorState
+    step: jax.Array  # i32[]
+    update_stats: jax.Array  # f32[NUM_STATS] the previous update's norm, the "update" probe
+    tx: Any = struct.field(pytree_node=False)
+    cfg: Config = struct.field(pytree_node=False)
+
+    @classmethod
+    def create(cls, model: nnx.Module, tx, cfg: Config | None = None) -> TrainState:
+        """Builds the state of ``model`` (an ``nnx.Module``) and optimizer ``tx``.
+
+        Names every site by its module path, so gears and reports refer to it. A ``tx`` that is
+        not already ``nan2safe.optax.guard(...)`` is wrapped in one: loss scale, geared clipping,
+        skip-non-finite and the SAFE learning-rate factor are the point of the library.
+
+        Raises:
+          ValueError: ``model`` is not an ``nnx.Module`` or ``cfg`` is not a ``Config``.
+        """
+        if not isinstance(model, nnx.Module):
+            raise ValueError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
+        cfg = Config() if cfg is None else cfg
+        if not isinstance(cfg, Config):
+            raise ValueError(f"cfg must be a nan2safe.Config, got {type(cfg).__name__}")
+        sites = name_sites(model)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        probe_opt = tx.init(params)
+        if not guard_lib.is_guarded(probe_opt):
+            tx = guard_lib.guard(tx, cfg)
+            probe_opt = tx.init(params)
+        names = tuple(collect_probes(model)) + BUILTIN_PROBES
+        return cls(
+            graphdef=graphdef,
+            params=params,
+            rest=rest,
+            opt_state=probe_opt,
+            gear=GearState.create(sites),
+            detector=DetectorState.create(names),
+            step=jnp.zeros([], jnp.int32),
+            update_stats=jnp.zeros([det_lib.NUM_STATS], jnp.float32),
+            tx=tx,
+            cfg=cfg,
+        )
+
+    @property
+    def model(self) -> nnx.Module:
+        """A fresh ``nnx.Module`` holding this state's parameters."""
+        return nnx.merge(self.graphdef, self.params, self.rest)
+
+    @property
+    def loss_scale(self) -> jax.Array:
+        return guard_lib.loss_scale_of(self.opt_state)
+
+    def with_probes(self, names) -> TrainState:
+        """The same state with the detector tracking ``names`` (kept baselines carry over)."""
+        old = self.detector
+        if tuple(names) == old.names:
+            return self
+        new = DetectorState.create(names)
+        idx = {n: i for i, n in enumerate(old.names)}
+        take = [idx.get(n, -1) for n in new.names]
+        t = jnp.asarray(take)
+        keep = t >= 0
+        pick = lambda new_v, old_v: jnp.where(keep, old_v[jnp.maximum(t, 0)], new_v)
+        new = new.replace(
+            ema=pick(new.ema, old.ema),
+            emvar=pick(new.emvar, old.emvar),
+            prev1=pick(new.prev1, old.prev1),
+            prev2=pick(new.prev2, old.prev2),
+            count=pick(new.count, old.count),
+            last_lr=old.last_lr,
+            cooldown=old.cooldown,
+        )
+        return self.replace(detector=new)
+
+
+def _with_gears(state: TrainState):
+    """The non-param state with every site's gear variable set to its effective gear."""
+    model = nnx.merge(state.graphdef, state.params, state.rest)
+    for name, var in site_gears(model).items():
+        if name in state.gear.sites:
+            eff = gear_lib.effective(state.gear, name)
+            var.set_value(jnp.broadcast_to(eff, jnp.shape(var.get_value())).astype(jnp.int32))
+    _, _, rest = nnx.split(model, nnx.Param, ...)
+    return rest
+
+
+def _forward(state: TrainState, rest, params, batch, loss_fn):
+    model = nnx.merge(state.graphdef, params, rest)
+    declared = {path for path, node in nnx.iter_graph(model) if isinstance(node, Probe)}
+    loss = loss_fn(model, batch)
+    if not hasattr(loss, "shape") or jnp.ndim(loss) != 0:
+        raise ValueError(
+            f"loss_fn must return a scalar loss, got shape {getattr(loss, 'shape', type(loss))}; "
+            "reduce it (e.g. with .mean()) inside loss_fn"
+        )
+    probes = collect_probes(model)
+    # Probes sown during the call are new variables: drop them so the state keeps its structure.
+    sown = lambda path, node: isinstance(node, Probe) and tuple(path) not in declared
+    nnx.pop(model, sown)
+    _, _, new_rest = nnx.split(model, nnx.Param, ...)
+    return loss, probes, new_rest
+
+
+def _scalar_stats(value: jax.Array, headroom: jax.Array, nonfinite: jax.Array) -> jax.Array:
+    v = jnp.asarray(value, jnp.float32)
+    vz = jnp.where(jnp.isfinite(v), v, 0.0)
+    return jnp.stack(
+        [jnp.abs(vz), vz, jnp.zeros_like(vz), jnp.asarray(nonfinite, jnp.float32), headroom]
+    ).astype(jnp.float32)
+
+
+def _max_abs(tree) -> jax.Array:
+    leaves = [jnp.max(jnp.abs(jnp.asarray(x, jnp.float32)), initial=0.0) for x in tree]
+    return jnp.max(jnp.stack(leaves)) if leaves else jnp.zeros([], jnp.float32)
+
+
+def _dtype_max(tree) -> float:
+    dts = [x.dtype for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return min((float(jnp.finfo(d).max) for d in dts), default=float(jnp.finfo(jnp.float32).max))
+
+
+def train_step(
+    state: TrainState, batch, loss_fn: Callable, lr_schedule: Callable | None = None
+) -> tuple[TrainState, dict]:
+    """One step (un-jitted); ``make_train_step`` jits it. See the module docstring."""
+    cfg = state.cfg
+    gs = state.gear
+    rest = _with_gears(state)
+    scale = guard_lib.loss_scale_of(state.opt_state)
+
+    def scaled_loss(params):
+        loss, probes, new_rest = _forward(state, rest, params, batch, loss_fn)
+        return loss.astype(jnp.float32) * scale, (loss, probes, new_rest)
+
+    (_, (loss, probes, new_rest)), sgrads = jax.value_and_grad(scaled_loss, has_aux=True)(
+        state.params
+    )
+    grads = jax.tree_util.tree_map(
+        lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype), sgrads
+    )
+    loss32 = jnp.asarray(loss, jnp.float32)
+    finite = jnp.isfinite(loss32) & guard_lib.all_finite(sgrads)
+    grad_norm = guard_lib.global_norm(grads)
+    sgrad_leaves = jax.tree_util.tree_leaves(sgrads)
+    sgrad_headroom = jnp.where(
+        finite, _max_abs(sgrad_leaves) / _dtype_max(state.params), 1.0
+    ).astype(jnp.float32)
+
+    probes = dict(probes)
+    probes["loss"] = det_lib.stats(loss)
+    probes["grad_norm"] = _scalar_stats(grad_norm, sgrad_headroom, ~finite)
+    probes["update_norm"] = state.update_stats
+    lr = None if lr_schedule is None else lr_schedule(state.step)
+    det, risk = det_lib.update(state.detector, probes, cfg, lr=lr)
+    new_gs = gear_lib.decide(gs, risk.risk, ~finite, cfg, calm=risk.calm)
+
+    updates, opt_state = state.tx.update(
+        grads, state.opt_state, state.params, gear=new_gs, finite=finite
+    )
+    applied = optax_lib.apply_updates(state.params, updates)
+    ok = finite & guard_lib.all_finite(applied)
+    params = guard_lib.select_tree(ok, applied, state.params)
+    update_norm = guard_lib.global_norm(updates)
+    update_stats = _scalar_stats(update_norm, jnp.zeros([], jnp.float32), ~ok)
+
+    new_step = state.step + 1
+    check = (new_step % cfg.checkpoint_every) == 0
+    state_finite = jax.lax.cond(
+        check,
+        lambda: guard_lib.all_finite(params) & guard_lib.all_finite(opt_state),
+        lambda: jnp.asarray(True),
+    )
+    new_state = state.replace(
+        params=params,
+        rest=new_rest,
+        opt_state=opt_state,
+        gear=new_gs,
+        detector=det,
+        step=new_step,
+        update_stats=update_stats,
+    )
+    metrics = {
+        "step": state.step,
+        "loss": loss32,
+        "risk": risk.risk,
+        "gear": gs.level,
+        "next_gear": new_gs.level,
+        "loss_scale": scale,
+        "grad_norm": grad_norm,
+        "nonfinite": risk.nonfinite + (~finite).astype(jnp.float32),
+        "finite": finite,
+        "skipped": ~ok,
+        "state_finite": state_finite,
+        "calm": risk.calm,
+        "probes": probes,
+        "probe_risk": dict(zip(det.names, risk.per_probe, strict=True)),
+        "site_gears": {k: gear_lib.effective(gs, k) for k in gs.sites},
+    }
+    return new_state, metrics
+
+
+def make_train_step(
+    loss_fn: Callable,
+    *,
+    lr_schedule: Callable | None = None,
+    jit: bool = True,
+    donate: bool = False,
+) -> Callable:
+    """The jitted ``(state, batch) -> (state, metrics)`` step.
+
+    Gears are values in ``state.gear``: changing them (by the detector, by ``gear.set_level`` /
+    ``gear.set_site``, or by the trainer) never retraces or recompiles.
+
+    Args:
+      loss_fn: ``loss_fn(model, batch) -> scalar``; ``model`` is the ``nnx.Module``.
+      lr_schedule: the optimizer's schedule ``step -> lr``, for the detector's cool-down after a
+        learning-rate jump (optional).
+      jit: compile the step (default); False runs it eagerly (for debugging).
+      donate: donate the old state's buffers to the new one.
+
+    Returns:
+      ``step(state, batch)``. Its metrics hold ``loss``, ``risk``, ``gear`` (the level this step
+      ran with), ``loss_scale``, ``grad_norm``, ``nonfinite``, ``skipped``, per-probe ``probes``
+      and ``probe_risk``, ``site_gears`` and ``state_finite`` (checked on checkpoint steps).
+    """
+    fn = functools.partial(train_step, loss_fn=loss_fn, lr_schedule=lr_schedule)
+    compiled = jax.jit(fn, donate_argnums=(0,) if donate else ()) if jit else fn
+    checked: dict[tuple, tuple] = {}
+
+    def probe_names(state, batch):
+        seen = []
+
+        def trace(params, rest):
+            _, probes, _ = _forward(state, rest, params, batch, loss_fn)
+            seen.append(tuple(probes))
+            return 0
+
+        jax.eval_shape(trace, state.params, _with_gears(state))
+        return seen[0] + BUILTIN_PROBES
+
+    def step(state: TrainState, batch):
+        key = (state.detector.names, jax.tree_util.tree_structure(batch))
+        if key not in checked:
+            checked[key] = probe_names(state, batch)
+        names = checked[key]
+        checked.setdefault((names, key[1]), names)
+        if names != state.detector.names:
+            state = state.with_probes(names)
+        return compiled(state, batch)
+
+    step.jitted = compiled
+    return step

@@ -1,0 +1,41 @@
+"""Shared fixtures: a backend-compile counter for the "gear changes never recompile" tests."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import pytest
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_counter = {"n": 0}
+
+
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+    del duration, kwargs
+    if event == _COMPILE_EVENT:
+        _counter["n"] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+class CompileCounter:
+    """Counts XLA backend compiles inside ``with counter:`` blocks."""
+
+    def __init__(self):
+        self.count = 0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        start = _counter["n"]
+        try:
+            yield self
+        finally:
+            self.count = _counter["n"] - start
+
+
+@pytest.fixture
+def count_compiles():
+    """``with count_compiles() as c: ...`` then ``c.count`` is the number of backend compiles."""
+    return CompileCounter()
