@@ -3,8 +3,23 @@
 Public surface (see DESIGN.md). ``import nan2safe_jax as nan2safe``.
 """
 
+from nan2safe_jax import detector, gear, optax, site
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear, GearState
+from nan2safe_jax.site import Probe, SiteGear
+from nan2safe_jax.train import TrainState, make_train_step
 
-__all__ = ["Config", "Gear", "GearState"]
+__all__ = [
+    "Config",
+    "Gear",
+    "GearState",
+    "Probe",
+    "SiteGear",
+    "TrainState",
+    "detector",
+    "gear",
+    "make_train_step",
+    "optax",
+    "site",
+]
 __version__ = "0.1.0"

@@ -51,7 +51,7 @@ class Config:
     window: int = 128
     z_threshold: float = 5.0
     diff_threshold: float = 3.0
-    min_history: int = 16
+    min_history: int = 32
     headroom_limit: float = 0.5
     trigger_risk: float = 1.0
     lr_jump: float = 0.2

@@ -99,9 +99,17 @@ class Risk(NamedTuple):
     nonfinite: jax.Array  # f32[] non-finite elements over all probes
 
 
-def _std(ema: jax.Array, emvar: jax.Array) -> jax.Array:
-    # A relative floor keeps z scale-invariant and finite for a probe that has been constant.
-    return jnp.maximum(jnp.sqrt(jnp.maximum(emvar, 0.0)), 1e-3 * jnp.abs(ema) + 1e-30)
+def _std(ema: jax.Array, emvar: jax.Array, count: jax.Array, alpha: float) -> jax.Array:
+    """Baseline std: the EMA variance, debiased for its zero start (as Adam's moments are).
+
+    Without the correction the variance starts at 0 and only reaches its level after ~window
+    samples, so every early z is inflated. A relative floor keeps z scale-invariant and finite
+    for a probe that has been constant.
+    """
+    updates = jnp.maximum(count - 1, 1).astype(jnp.float32)
+    debias = jnp.maximum(1.0 - jnp.power(1.0 - alpha, updates), alpha)
+    var = jnp.maximum(emvar, 0.0) / debias
+    return jnp.maximum(jnp.sqrt(var), 1e-3 * jnp.abs(ema) + 1e-30)
 
 
 def stack_stats(probe_stats: Mapping[str, jax.Array], names: tuple[str, ...]) -> jax.Array:
@@ -152,7 +160,7 @@ def update(
         last_lr = state.last_lr
     relax = jnp.where(cooldown > 0, cfg.lr_cooldown_factor, 1.0)
 
-    std = _std(state.ema, state.emvar)
+    std = _std(state.ema, state.emvar, state.count, cfg.alpha)
     warm = state.count >= cfg.min_history
     z = jnp.where(warm & finite, (x - state.ema) / std, 0.0)
     d2 = jnp.where(warm & finite, jnp.abs(x - 2.0 * state.prev1 + state.prev2) / std, 0.0)

@@ -215,6 +215,38 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+# --------------------------------------------------------------------------- f32 inner
+
+
+def _to_f32(tree):
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
+
+
+def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """Runs ``inner`` on f32 copies of the gradients and parameters; casts updates back.
+
+    Half-precision optimizer moments are the write-up's second NaN source: Adam's second
+    moment of an fp16 gradient underflows to 0 and the update becomes tiny/tiny = inf. Keeping
+    the optimizer state in f32 (the usual master-weights recipe) removes it at the price of f32
+    moments; the parameters keep their own dtype.
+    """
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        return inner.init(_to_f32(params))
+
+    def update_fn(updates, state, params=None, **extra):
+        dtypes = jax.tree_util.tree_map(lambda u: u.dtype, updates)
+        p32 = None if params is None else _to_f32(params)
+        new, state = inner.update(_to_f32(updates), state, p32, **extra)
+        new = jax.tree_util.tree_map(lambda u, d: u.astype(d), new, dtypes)
+        return new, state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
 # --------------------------------------------------------------------------- guard
 
 
@@ -228,7 +260,8 @@ def guard(inner: optax.GradientTransformation, cfg: Config | None = None):
 
     Order: the loss scale sees every step (it must back off on a non-finite one); the rest is
     skipped as a whole when the gradients are not finite: geared clip, then ``inner``, then the
-    SAFE learning-rate factor on the final update.
+    SAFE learning-rate factor on the final update. ``inner`` runs in f32 (``in_float32``), so
+    half-precision parameters never get half-precision optimizer moments.
 
     Args:
       inner: any optax transformation (e.g. ``optax.adamw(3e-4)``).
@@ -244,7 +277,7 @@ def guard(inner: optax.GradientTransformation, cfg: Config | None = None):
     body = skip_nonfinite(
         optax.chain(
             geared_clip(cfg.clip_norm, factors),
-            optax.with_extra_args_support(inner),
+            in_float32(inner),
             safe_lr_factor(cfg.safe_lr_factor),
         )
     )
@@ -265,6 +298,13 @@ def guard(inner: optax.GradientTransformation, cfg: Config | None = None):
 def is_guarded(opt_state) -> bool:
     """True when ``opt_state`` is the state of ``guard``."""
     return isinstance(opt_state, GuardState)
+
+
+def skip_streak(opt_state) -> jax.Array:
+    """Consecutive skipped steps recorded by a ``guard`` state (0 for any other state)."""
+    if isinstance(opt_state, GuardState):
+        return opt_state.skip.streak
+    return jnp.zeros([], jnp.int32)
 
 
 def loss_scale_of(opt_state) -> jax.Array:

@@ -64,7 +64,7 @@ def name_sites(model: nnx.Module) -> dict[str, tuple[int, ...]]:
     for name, module in iter_sites(model):
         object.__setattr__(module, "site_name", name)
         gear = next(v for v in vars(module).values() if isinstance(v, SiteGear))
-        shapes[name] = tuple(jnp.shape(gear.value))
+        shapes[name] = tuple(jnp.shape(gear.get_value()))
     return shapes
 
 

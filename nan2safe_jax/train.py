@@ -25,6 +25,7 @@ from nan2safe_jax.gear import GearState
 from nan2safe_jax.site import Probe, name_sites, site_gears
 
 BUILTIN_PROBES = ("loss", "grad_norm", "update_norm")
+OVERFLOW_GRACE = 2  # consecutive loss-scale overflows absorbed before they count as an incident
 
 
 def _path_name(path) -> str:
@@ -148,7 +149,7 @@ def _with_gears(state: TrainState):
 
 
 def _forward(state: TrainState, rest, params, batch, loss_fn):
-    model = nnx.merge(state.graphdef, params, rest)
+    model = nnx.merge(state.graphdef, params, rest, copy=True)
     declared = {path for path, node in nnx.iter_graph(model) if isinstance(node, Probe)}
     loss = loss_fn(model, batch)
     if not hasattr(loss, "shape") or jnp.ndim(loss) != 0:
@@ -172,16 +173,6 @@ def _scalar_stats(value: jax.Array, headroom: jax.Array, nonfinite: jax.Array) -
     ).astype(jnp.float32)
 
 
-def _max_abs(tree) -> jax.Array:
-    leaves = [jnp.max(jnp.abs(jnp.asarray(x, jnp.float32)), initial=0.0) for x in tree]
-    return jnp.max(jnp.stack(leaves)) if leaves else jnp.zeros([], jnp.float32)
-
-
-def _dtype_max(tree) -> float:
-    dts = [x.dtype for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return min((float(jnp.finfo(d).max) for d in dts), default=float(jnp.finfo(jnp.float32).max))
-
-
 def train_step(
     state: TrainState, batch, loss_fn: Callable, lr_schedule: Callable | None = None
 ) -> tuple[TrainState, dict]:
@@ -202,20 +193,28 @@ def train_step(
         lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype), sgrads
     )
     loss32 = jnp.asarray(loss, jnp.float32)
-    finite = jnp.isfinite(loss32) & guard_lib.all_finite(sgrads)
+    grads_finite = guard_lib.all_finite(sgrads)
+    finite = jnp.isfinite(loss32) & grads_finite
+    # A finite loss whose scaled gradients overflow is the dynamic loss scale's business: skip
+    # and back off. Only when that repeats (or the loss itself is bad) is it an incident.
+    overflow = (
+        jnp.isfinite(loss32)
+        & ~grads_finite
+        & (scale > cfg.loss_scale_min)
+        & (guard_lib.skip_streak(state.opt_state) < OVERFLOW_GRACE)
+    )
+    incident = ~finite & ~overflow
     grad_norm = guard_lib.global_norm(grads)
-    sgrad_leaves = jax.tree_util.tree_leaves(sgrads)
-    sgrad_headroom = jnp.where(
-        finite, _max_abs(sgrad_leaves) / _dtype_max(state.params), 1.0
-    ).astype(jnp.float32)
 
     probes = dict(probes)
     probes["loss"] = det_lib.stats(loss)
-    probes["grad_norm"] = _scalar_stats(grad_norm, sgrad_headroom, ~finite)
+    # No headroom on the gradient probe: the scaled gradients live near the dtype's max by
+    # design (dynamic loss scaling bounces off it), and the loss scale already handles that.
+    probes["grad_norm"] = _scalar_stats(grad_norm, jnp.zeros([], jnp.float32), ~finite)
     probes["update_norm"] = state.update_stats
     lr = None if lr_schedule is None else lr_schedule(state.step)
     det, risk = det_lib.update(state.detector, probes, cfg, lr=lr)
-    new_gs = gear_lib.decide(gs, risk.risk, ~finite, cfg, calm=risk.calm)
+    new_gs = gear_lib.decide(gs, risk.risk, incident, cfg, calm=risk.calm)
 
     updates, opt_state = state.tx.update(
         grads, state.opt_state, state.params, gear=new_gs, finite=finite
@@ -252,6 +251,8 @@ def train_step(
         "grad_norm": grad_norm,
         "nonfinite": risk.nonfinite + (~finite).astype(jnp.float32),
         "finite": finite,
+        "overflow": overflow,
+        "incident": incident,
         "skipped": ~ok,
         "state_finite": state_finite,
         "calm": risk.calm,

@@ -1,0 +1,64 @@
+"""Config: defaults from SPEC.md, validation errors that name the field."""
+
+import dataclasses
+
+import pytest
+
+from nan2safe_jax import Config
+
+
+def test_defaults_match_spec():
+    cfg = Config()
+    assert cfg.window == 128
+    assert cfg.z_threshold == 5.0
+    assert cfg.diff_threshold == 3.0
+    assert cfg.loss_scale_downshift == 1 / 256
+    assert cfg.clip_downshift == 0.5
+    assert cfg.safe_lr_factor == 0.1
+    assert cfg.safe_max_steps == 8
+    assert cfg.recovery_window == 64
+    assert cfg.ring_buffer == 16
+    assert cfg.headroom_limit == 0.5
+    assert cfg.trigger_risk == 1.0
+    assert 30 <= cfg.lr_cooldown <= 50
+    assert cfg.alpha == pytest.approx(2 / 129)
+
+
+def test_frozen_and_hashable():
+    cfg = Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.window = 3
+    assert hash(cfg) == hash(Config())
+    assert cfg.replace(window=64).window == 64
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("window", 1),
+        ("window", 2.5),
+        ("z_threshold", 0.0),
+        ("z_threshold", float("nan")),
+        ("diff_threshold", -1.0),
+        ("min_history", 2),
+        ("headroom_limit", 1.5),
+        ("trigger_risk", 0.0),
+        ("lr_cooldown", -1),
+        ("loss_scale_init", 0.5),
+        ("loss_scale_max", 0.1),
+        ("loss_scale_factor", 1.0),
+        ("loss_scale_downshift", 2.0),
+        ("clip_norm", 0.0),
+        ("clip_downshift", 0.0),
+        ("safe_lr_factor", 1.5),
+        ("safe_max_steps", 0),
+        ("recovery_window", 0),
+        ("ring_buffer", 0),
+        ("checkpoint_every", True),
+        ("max_incidents", 0),
+    ],
+)
+def test_invalid_value_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field) as info:
+        Config(**{field: value})
+    assert repr(value) in str(info.value)

@@ -1,0 +1,121 @@
+"""Gear transitions: downshift, staged recovery, SAFE dwell and back-off, jit round-trips."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nan2safe_jax import Config, Gear, GearState
+from nan2safe_jax import gear as G
+
+CFG = Config(safe_max_steps=3, recovery_window=5)
+
+
+def _state():
+    return GearState.create({"attn": (), "blocks.norm": (4,)})
+
+
+def _run(gs, risks, nonfinite=None, calm=None):
+    for i, r in enumerate(risks):
+        nf = False if nonfinite is None else nonfinite[i]
+        gs = G.decide(gs, r, nf, CFG, calm=None if calm is None else calm[i])
+    return gs
+
+
+def test_gear_values():
+    assert (Gear.FAST, Gear.STABLE, Gear.SAFE) == (0, 1, 2)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_risk_downshifts_fast_to_stable(jit):
+    decide = jax.jit(G.decide, static_argnums=3) if jit else G.decide
+    gs = decide(_state(), 0.5, False, CFG)
+    assert int(gs.level) == Gear.FAST
+    gs = decide(gs, 1.0, False, CFG)
+    assert int(gs.level) == Gear.STABLE
+    assert int(gs.downshifts) == 1
+
+
+def test_nonfinite_downshifts_even_without_risk():
+    gs = G.decide(_state(), 0.0, True, CFG)
+    assert int(gs.level) == Gear.STABLE
+
+
+def test_recovery_needs_recovery_window_calm_steps():
+    gs = G.decide(_state(), 1.0, False, CFG)
+    gs = _run(gs, [0.0] * (CFG.recovery_window - 1))
+    assert int(gs.level) == Gear.STABLE
+    gs = _run(gs, [0.0])
+    assert int(gs.level) == Gear.FAST
+    assert int(gs.recoveries) == 1
+
+
+def test_a_noisy_step_restarts_the_calm_count():
+    gs = G.decide(_state(), 1.0, False, CFG)
+    gs = _run(gs, [0.0] * 4 + [0.0] + [0.0] * 3, calm=[True] * 4 + [False] + [True] * 3)
+    assert int(gs.level) == Gear.STABLE
+
+
+def test_site_safe_dwell_then_staged_recovery():
+    gs = G.set_site(_state(), "attn", Gear.SAFE, cfg=CFG)
+    assert int(G.effective(gs, "attn")) == Gear.SAFE
+    assert bool(G.any_safe(gs))
+    gs = _run(gs, [0.0] * (CFG.safe_max_steps - 1))
+    assert int(gs.sites["attn"]) == Gear.SAFE
+    gs = _run(gs, [0.0])
+    assert int(gs.sites["attn"]) == Gear.STABLE  # never SAFE -> FAST directly
+    gs = _run(gs, [0.0] * CFG.recovery_window)
+    assert int(gs.sites["attn"]) == Gear.FAST
+
+
+def test_backoff_doubles_the_stay_of_a_repeat_offender():
+    gs = G.set_site(_state(), "attn", Gear.SAFE, cfg=CFG)
+    assert int(gs.safe_left["attn"]) == CFG.safe_max_steps
+    gs = _run(gs, [0.0] * CFG.safe_max_steps)
+    gs = G.set_site(gs, "attn", Gear.SAFE, cfg=CFG)
+    assert int(gs.safe_left["attn"]) == 2 * CFG.safe_max_steps
+    gs = G.set_site(gs, "attn", Gear.SAFE, cfg=CFG)
+    assert int(gs.safe_left["attn"]) == 4 * CFG.safe_max_steps
+
+
+def test_one_layer_of_a_stacked_site():
+    gs = G.set_site(_state(), "blocks.norm", Gear.SAFE, index=2, cfg=CFG)
+    np.testing.assert_array_equal(gs.sites["blocks.norm"], [0, 0, 2, 0])
+    gs = G.set_level(gs, Gear.STABLE)
+    np.testing.assert_array_equal(G.effective(gs, "blocks.norm"), [1, 1, 2, 1])
+    np.testing.assert_array_equal(G.effective(gs, "attn"), 1)
+
+
+def test_global_safe_returns_to_stable_after_dwell():
+    gs = G.set_level(_state(), Gear.SAFE, CFG)
+    assert bool(G.any_safe(gs))
+    gs = _run(gs, [0.0] * CFG.safe_max_steps)
+    assert int(gs.level) == Gear.STABLE
+
+
+@pytest.mark.parametrize("bad", [3, -1, "fast", None])
+def test_bad_gear_or_site_raises(bad):
+    with pytest.raises(ValueError, match="gear"):
+        G.set_level(_state(), bad)
+    with pytest.raises(ValueError, match="unknown site"):
+        G.set_site(_state(), "nope", Gear.SAFE)
+
+
+def test_index_into_scalar_site_raises():
+    with pytest.raises(ValueError, match="not stacked"):
+        G.set_site(_state(), "attn", Gear.SAFE, index=0)
+
+
+def test_gear_state_round_trips_through_jit():
+    gs = G.set_site(_state(), "blocks.norm", Gear.SAFE, index=1, cfg=CFG)
+    out = jax.jit(lambda s: s)(gs)
+    assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(gs)
+    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(gs), strict=True):
+        assert a.dtype == jnp.int32
+        np.testing.assert_array_equal(a, b)
+
+
+def test_counters_saturate():
+    gs = _state().replace(calm=jnp.int32(G.MAX_I32))
+    gs = G.decide(gs, 0.0, False, CFG)
+    assert int(gs.calm) >= 0

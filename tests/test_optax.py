@@ -1,0 +1,142 @@
+"""optax transforms: loss scale, geared clip, skip-non-finite, lr factor, guard."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from nan2safe_jax import Config, Gear, GearState
+from nan2safe_jax import gear as G
+from nan2safe_jax import optax as n2s_optax
+
+CFG = Config(loss_scale_init=2.0**10, loss_scale_period=3, loss_scale_max=2.0**12)
+PARAMS = {"w": jnp.ones((3,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
+
+
+def _grads(v, dtype=jnp.float32):
+    return {"w": jnp.full((3,), v, dtype), "b": jnp.asarray(v, dtype)}
+
+
+def _same(a, b):
+    return all(
+        bool(jnp.array_equal(x, y, equal_nan=True))
+        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
+    )
+
+
+def test_loss_scale_backoff_growth_bounds_and_downshift():
+    tx = n2s_optax.dynamic_loss_scale(CFG)
+    s = tx.init(PARAMS)
+    upd = jax.jit(tx.update)
+    assert float(s.scale) == 2.0**10
+    _, s = upd(_grads(jnp.nan), s, gear=jnp.int32(0))
+    assert float(s.scale) == 2.0**9
+    for _ in range(3):
+        _, s = upd(_grads(1.0), s, gear=jnp.int32(0))
+    assert float(s.scale) == 2.0**10
+    for _ in range(12):
+        _, s = upd(_grads(1.0), s, gear=jnp.int32(0))
+    assert float(s.scale) == 2.0**12  # bounded by loss_scale_max
+    _, s = upd(_grads(1.0), s, gear=jnp.int32(Gear.STABLE))
+    assert float(s.scale) == 2.0**12 / 256  # the first downshift cuts by 1/256
+    _, s2 = upd(_grads(1.0), s, gear=jnp.int32(Gear.STABLE))
+    assert float(s2.scale) == float(s.scale)  # only on the transition
+
+
+def test_loss_scale_state_round_trips_through_jit():
+    s = n2s_optax.dynamic_loss_scale(CFG).init(PARAMS)
+    out = jax.jit(lambda x: x)(s)
+    assert type(out) is type(s) and _same(out, s)
+
+
+@pytest.mark.parametrize("gear,factor", [(Gear.FAST, 1.0), (Gear.STABLE, 0.5), (Gear.SAFE, 0.5)])
+def test_geared_clip_matches_optax_at_the_geared_threshold(gear, factor):
+    g = {"w": jnp.asarray([3.0, 4.0, 12.0]), "b": jnp.asarray(0.0)}
+    tx = n2s_optax.geared_clip(2.0)
+    out, state = tx.update(g, tx.init(g), gear=jnp.int32(gear))
+    ref, _ = optax.clip_by_global_norm(2.0 * factor).update(g, None)
+    np.testing.assert_allclose(out["w"], ref["w"], rtol=1e-6)
+    assert int(state.clipped) == 1
+
+
+def test_geared_clip_fp16_norm_does_not_overflow():
+    g = {"w": jnp.full((4,), 300.0, jnp.float16)}  # sum of squares = 360000 > fp16 max
+    out, _ = n2s_optax.geared_clip(1.0).update(g, n2s_optax.GearedClipState(jnp.int32(0)))
+    np.testing.assert_allclose(np.asarray(out["w"], np.float32), 0.5, rtol=1e-3)
+
+
+def test_geared_clip_nonfinite_norm_gives_zero_not_nan():
+    g = {"w": jnp.asarray([jnp.inf, 1.0])}
+    out, _ = n2s_optax.geared_clip(1.0).update(g, n2s_optax.GearedClipState(jnp.int32(0)))
+    assert np.all(np.isfinite(out["w"]))
+
+
+def test_skip_nonfinite_keeps_params_and_inner_state_however_many_in_a_row():
+    inner = optax.adam(0.1)
+    tx = n2s_optax.skip_nonfinite(inner)
+    s = tx.init(PARAMS)
+    s1_updates, s1 = tx.update(_grads(1.0), s, PARAMS)
+    for _ in range(10):
+        u, s2 = tx.update(_grads(jnp.nan), s1, PARAMS)
+        assert _same(s2.inner, s1.inner)
+        assert all(float(jnp.max(jnp.abs(x))) == 0 for x in jax.tree_util.tree_leaves(u))
+        s1 = s2
+    assert int(s1.skipped) == 10 and int(s1.streak) == 10
+    # optax.apply_if_finite gives up after max_consecutive_errors and applies the NaN update.
+    ref = optax.apply_if_finite(inner, max_consecutive_errors=3)
+    rs = ref.init(PARAMS)
+    for _ in range(4):
+        ru, rs = ref.update(_grads(jnp.nan), rs, PARAMS)
+    assert not np.all(np.isfinite(ru["w"]))
+
+
+def test_safe_lr_factor_applies_only_in_safe():
+    gs = GearState.create({"attn": ()})
+    tx = n2s_optax.safe_lr_factor(0.1)
+    u, _ = tx.update(_grads(1.0), tx.init(PARAMS), gear=gs)
+    assert float(u["b"]) == 1.0
+    u, _ = tx.update(_grads(1.0), tx.init(PARAMS), gear=G.set_site(gs, "attn", Gear.SAFE))
+    assert float(u["b"]) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_guard_equals_f32_inner_when_fast_and_finite(dtype):
+    cfg = Config(clip_norm=None)
+    inner = optax.adamw(1e-2)
+    params = jax.tree_util.tree_map(lambda x: x.astype(dtype), PARAMS)
+    tx = n2s_optax.guard(inner, cfg)
+    gs = GearState.create({})
+    s, rs = tx.init(params), inner.init(PARAMS)
+    for v in (0.5, -1.0, 2.0):
+        g = _grads(v, dtype)
+        u, s = tx.update(g, s, params, gear=gs)
+        ru, rs = inner.update(_grads(jnp.asarray(v, dtype).astype(jnp.float32)), rs, PARAMS)
+        ru = jax.tree_util.tree_map(lambda x: x.astype(dtype), ru)  # moments are kept in f32
+        tol = {jnp.float32: 1e-6, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}[dtype]
+        for a, b in zip(jax.tree_util.tree_leaves(u), jax.tree_util.tree_leaves(ru), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol)
+
+
+def test_guard_skips_and_backs_off_the_loss_scale():
+    tx = n2s_optax.guard(optax.sgd(0.1), CFG)
+    s = tx.init(PARAMS)
+    gs = GearState.create({})
+    u, s2 = jax.jit(tx.update)(_grads(jnp.inf), s, PARAMS, gear=gs)
+    assert float(n2s_optax.loss_scale_of(s2)) == float(n2s_optax.loss_scale_of(s)) / 2
+    assert int(s2.skip.skipped) == 1
+    assert all(float(jnp.max(jnp.abs(x))) == 0 for x in jax.tree_util.tree_leaves(u))
+    out = jax.jit(lambda x: x)(s2)
+    assert type(out) is type(s2) and _same(out, s2)
+
+
+def test_fp16_adam_moments_do_not_underflow_to_inf():
+    params = {"w": jnp.ones((4,), jnp.float16)}
+    g = {"w": jnp.full((4,), 1e-3, jnp.float16)}  # g**2 * (1 - b2) underflows in fp16
+    raw, _ = optax.adam(1e-2).update(g, optax.adam(1e-2).init(params), params)
+    assert not np.all(np.isfinite(np.asarray(raw["w"], np.float32)))  # the fault is real
+    tx = n2s_optax.in_float32(optax.adam(1e-2))
+    u, state = tx.update(g, tx.init(params), params)
+    assert u["w"].dtype == jnp.float16 and np.all(np.isfinite(np.asarray(u["w"], np.float32)))
+    assert jax.tree_util.tree_leaves(state)[1].dtype == jnp.float32

@@ -1,0 +1,224 @@
+"""TrainState and the jitted step: no recompiles, tier 1 before non-finite, skipped NaN steps."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import nan2safe_jax as nan2safe
+from nan2safe_jax import Config, Gear, TrainState, detector, make_train_step
+from nan2safe_jax import gear as G
+from nan2safe_jax.site import Probe, SiteGear, site_scope
+
+D = 16
+
+
+class Block(nnx.Module):
+    """A minimal user-written site: its own gear, one declared probe, a residual MLP."""
+
+    def __init__(self, d, *, rngs, dtype=jnp.float32):
+        self.up = nnx.Linear(d, 2 * d, rngs=rngs, dtype=dtype, param_dtype=dtype)
+        self.down = nnx.Linear(2 * d, d, rngs=rngs, dtype=dtype, param_dtype=dtype)
+        self.gear = SiteGear(jnp.zeros((), jnp.int32))
+        self.site_name = "Block"
+        self.probe_hidden = Probe(jnp.zeros(detector.NUM_STATS, jnp.float32))
+
+    def __call__(self, x):
+        with site_scope(self.site_name):
+            h = self.up(x)
+            self.probe_hidden[...] = detector.stats(h)
+            return x + self.down(jax.nn.relu(h))
+
+
+class Net(nnx.Module):
+    def __init__(self, *, rngs, dtype=jnp.float32):
+        self.blocks = nnx.List([Block(D, rngs=rngs, dtype=dtype) for _ in range(2)])
+        self.head = nnx.Linear(D, 1, rngs=rngs, dtype=dtype, param_dtype=dtype)
+
+    def __call__(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return jnp.mean(jnp.square(model(x).astype(jnp.float32) - y))
+
+
+def logistic_loss(model, batch):
+    x, y = batch
+    out = model(x).astype(jnp.float32)
+    return jnp.mean(jax.nn.softplus(out) - (y > 0) * out)
+
+
+def _data(n, scale=None, seed=0, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 32, D)).astype(np.float32)
+    if scale is not None:
+        x *= np.asarray(scale, np.float32)[:, None, None]
+    y = np.sin(x.sum(-1, keepdims=True) / 4)
+    return jnp.asarray(x, dtype), jnp.asarray(y, jnp.float32)
+
+
+def _state(dtype=jnp.float32, cfg=None, lr=1e-3):
+    model = Net(rngs=nnx.Rngs(0), dtype=dtype)
+    return TrainState.create(model, nan2safe.optax.guard(optax.adam(lr), cfg or Config()), cfg)
+
+
+@pytest.fixture(scope="module")
+def step():
+    return make_train_step(loss_fn)
+
+
+def test_create_names_sites_and_probes():
+    state = _state()
+    assert set(state.gear.sites) == {"blocks.0", "blocks.1"}
+    assert state.detector.names == (
+        "blocks.0.probe_hidden",
+        "blocks.1.probe_hidden",
+        "loss",
+        "grad_norm",
+        "update_norm",
+    )
+
+
+def test_plain_optimizer_is_wrapped_in_guard():
+    state = TrainState.create(Net(rngs=nnx.Rngs(0)), optax.sgd(0.1))
+    assert nan2safe.optax.is_guarded(state.opt_state)
+
+
+def test_train_state_round_trips_through_jit():
+    state = _state()
+    out = jax.jit(lambda s: s)(state)
+    assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(state)
+    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(state), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_gear_changes_never_recompile(step, count_compiles):
+    x, y = _data(1)
+    batch = (x[0], y[0])
+    state = _state()
+
+    def changes(state):
+        gears = [
+            lambda gs: G.set_level(gs, Gear.STABLE),
+            lambda gs: G.set_site(gs, "blocks.1", Gear.SAFE),
+            lambda gs: G.set_level(gs, Gear.SAFE),
+            lambda gs: G.set_site(gs, "blocks.1", Gear.FAST),
+            lambda gs: G.set_level(gs, Gear.FAST),
+        ]
+        levels = []
+        for change in gears * 2:
+            state = state.replace(gear=change(state.gear))
+            state, m = step(state, batch)
+            levels.append(int(m["site_gears"]["blocks.1"]))
+        return state, levels
+
+    state, _ = changes(state)  # warm every eager helper and the step once
+    with count_compiles() as c:
+        state, levels = changes(state)
+    assert c.count == 0
+    assert set(levels) == {0, 1, 2}
+
+
+def test_clean_stationary_run_never_downshifts(step):
+    x, y = _data(50)
+    state = _state()
+    gears = []
+    for i in range(1000):
+        state, m = step(state, (x[i % 50], y[i % 50]))
+        gears.append(m["next_gear"])
+    assert int(jnp.max(jnp.stack(gears))) == Gear.FAST
+    assert int(state.gear.downshifts) == 0
+    assert float(m["loss"]) < 0.5
+
+
+def test_growing_activations_downshift_before_the_first_nonfinite():
+    calm, grow = 80, 60
+    scale = [1.0] * calm + [1.35**k for k in range(1, grow + 1)]
+    # Stationary data first (16 batches, cycled), then the same batches scaled up geometrically.
+    x, y = _data(16)
+    idx = np.arange(calm + grow) % 16
+    x = (x[idx] * jnp.asarray(scale)[:, None, None]).astype(jnp.float16)
+    y = y[idx]
+    # A bounded loss (logistic) and no loss scaling: the first non-finite value is then the
+    # forward overflow of growing activations, which tier 1 must see coming.
+    cfg = Config(loss_scale_init=1.0)
+    state = _state(jnp.float16, cfg=cfg, lr=1e-4)
+    step = make_train_step(logistic_loss)
+    first_stable = first_bad = None
+    for i in range(calm + grow):
+        state, m = step(state, (x[i], y[i]))
+        if first_stable is None and int(m["next_gear"]) >= Gear.STABLE:
+            first_stable = i
+        if first_bad is None and not bool(m["finite"]):
+            first_bad = i
+            break
+    assert first_bad is not None, "the fault is real: fp16 activations do overflow"
+    assert first_stable is not None and calm <= first_stable < first_bad
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_nan_gradient_is_skipped_with_state_unchanged(step, dtype):
+    x, y = _data(4, dtype=dtype)
+    state = _state(dtype)
+    for i in range(3):
+        state, m = step(state, (x[i], y[i]))
+    bad_x = x[3].at[0, 0].set(jnp.nan)
+    new, m = step(state, (bad_x, y[3]))
+    assert bool(m["skipped"]) and not bool(m["finite"])
+    for a, b in zip(
+        jax.tree_util.tree_leaves(new.params), jax.tree_util.tree_leaves(state.params), strict=True
+    ):
+        assert a.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    inner_new = jax.tree_util.tree_leaves(new.opt_state.skip.inner)
+    inner_old = jax.tree_util.tree_leaves(state.opt_state.skip.inner)
+    for a, b in zip(inner_new, inner_old, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert float(new.loss_scale) < float(state.loss_scale)
+    assert np.all(np.isfinite(new.detector.ema)) and np.all(np.isfinite(new.detector.emvar))
+    assert int(new.gear.level) == Gear.STABLE
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_training_reduces_the_loss_in_every_dtype(step, dtype):
+    x, y = _data(8, dtype=dtype)
+    state = _state(dtype, lr=3e-3)
+    losses = []
+    for i in range(60):
+        state, m = step(state, (x[i % 8], y[i % 8]))
+        losses.append(float(m["loss"]))
+    assert np.all(np.isfinite(losses))
+    assert np.mean(losses[-8:]) < np.mean(losses[:8])
+
+
+def test_non_scalar_loss_is_a_clear_error():
+    state = _state()
+    bad = make_train_step(lambda model, batch: model(batch[0]).astype(jnp.float32))
+    x, y = _data(1)
+    with pytest.raises(ValueError, match="scalar"):
+        bad(state, (x[0], y[0]))
+
+
+def test_sown_probes_are_discovered():
+    class Sowing(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(D, 1, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            h = self.lin(x)
+            self.sow(Probe, "out", detector.stats(h))
+            return h
+
+    state = TrainState.create(Sowing(), optax.sgd(0.1))
+    step = make_train_step(loss_fn)
+    x, y = _data(2)
+    state, m = step(state, (x[0], y[0]))
+    assert "out" in state.detector.names and "out" in m["probes"]
+    state, m = step(state, (x[1], y[1]))
+    assert int(state.detector.count[state.detector.names.index("out")]) == 2
