@@ -65,7 +65,7 @@ class DetectorState(struct.PyTreeNode):
     prev1: jax.Array  # f32[P] last finite max_abs
     prev2: jax.Array  # f32[P] the one before
     count: jax.Array  # i32[P] finite samples seen (saturating)
-    last_lr: jax.Array  # f32[] learning rate at the previous update (nan: unknown)
+    last_lr: jax.Array  # f32[] learning rate at the previous update (< 0: unknown)
     cooldown: jax.Array  # i32[] steps left with relaxed thresholds
 
     @classmethod
@@ -83,7 +83,7 @@ class DetectorState(struct.PyTreeNode):
             prev1=z,
             prev2=z,
             count=jnp.zeros([p], jnp.int32),
-            last_lr=jnp.full([], jnp.nan, jnp.float32),
+            last_lr=jnp.full([], -1.0, jnp.float32),
             cooldown=jnp.zeros([], jnp.int32),
         )
 
@@ -153,7 +153,7 @@ def update(
     if lr is not None:
         lr = jnp.asarray(lr, jnp.float32)
         rel = jnp.abs(lr - state.last_lr) / jnp.maximum(jnp.abs(state.last_lr), 1e-30)
-        jumped = jnp.isfinite(rel) & (rel > cfg.lr_jump)
+        jumped = (state.last_lr > 0) & jnp.isfinite(rel) & (rel > cfg.lr_jump)
         cooldown = jnp.where(jumped, cfg.lr_cooldown, cooldown)
         last_lr = lr
     else:

@@ -1,0 +1,162 @@
+"""Checkpoints that are never poisoned: orbax underneath, finite states only.
+
+A ``TrainState`` is saved as the flat list of its array leaves (the static parts, graphdef and
+optimizer, come from the running program), so gears and detector baselines travel with the
+parameters and a resumed run keeps its gears. A state that is not finite is refused; on restore
+an incomplete or corrupt checkpoint is skipped with a warning, and so is one whose arrays are
+not finite, so a run always resumes from the newest *good* one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _to_saveable(state) -> dict:
+    leaves = jax.tree_util.tree_leaves(state)
+    out = {}
+    for i, leaf in enumerate(leaves):
+        out[f"{i:05d}"] = jax.random.key_data(leaf) if _is_key(leaf) else leaf
+    return out
+
+
+def _from_saved(saved: dict, template):
+    leaves, treedef = jax.tree_util.tree_flatten(template)
+    if len(saved) != len(leaves):
+        raise ValueError(f"checkpoint has {len(saved)} arrays, the state has {len(leaves)}")
+    new = []
+    for i, like in enumerate(leaves):
+        value = saved[f"{i:05d}"]
+        if _is_key(like):
+            value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(like))
+        elif tuple(np.shape(value)) != tuple(np.shape(like)):
+            raise ValueError(f"array {i}: shape {np.shape(value)} != {np.shape(like)}")
+        if hasattr(like, "sharding") and not _is_key(like):
+            value = jax.device_put(jnp.asarray(value, like.dtype), like.sharding)
+        new.append(value)
+    return jax.tree_util.tree_unflatten(treedef, new)
+
+
+def _abstract(template) -> dict:
+    def spec(leaf):
+        if _is_key(leaf):
+            leaf = jax.random.key_data(leaf)
+        sharding = getattr(leaf, "sharding", None)
+        return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
+
+    return {k: spec(v) for k, v in _to_saveable(template).items()}
+
+
+def tree_is_finite(tree) -> bool:
+    """Host-side check: every floating leaf of ``tree`` is finite (one transfer per leaf)."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if _is_key(leaf):
+            continue
+        a = np.asarray(leaf)
+        if np.issubdtype(a.dtype, np.inexact) or a.dtype.name == "bfloat16":
+            if not np.all(np.isfinite(a.astype(np.float32))):
+                return False
+    return True
+
+
+class Checkpointer:
+    """Saves finite ``TrainState``s and restores the newest complete, finite one.
+
+    Args:
+      directory: where checkpoints go (created).
+      max_to_keep: orbax's retention.
+      async_save: let orbax write in the background (``wait()`` joins it).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3, async_save=True):
+        self.directory = Path(directory).absolute()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def steps(self) -> list[int]:
+        """Steps of the checkpoints orbax considers complete, oldest first."""
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state, *, finite: bool | None = None) -> bool:
+        """Saves ``state`` as ``step`` unless it is not finite.
+
+        Args:
+          step: the step number the state is at.
+          state: a ``TrainState`` (or any pytree of arrays).
+          finite: the step's own finiteness verdict (``metrics["state_finite"]``, computed on
+            device); ``None`` checks on the host.
+
+        Returns:
+          Whether it was saved. A non-finite state is never written.
+        """
+        ok = tree_is_finite(state) if finite is None else bool(finite)
+        if not ok:
+            log.warning("step %d: state is not finite; checkpoint refused", step)
+            return False
+        self._manager.save(int(step), args=ocp.args.StandardSave(_to_saveable(state)), force=True)
+        return True
+
+    def restore(self, step: int, template):
+        """Restores checkpoint ``step`` into the structure (and shardings) of ``template``."""
+        saved = self._manager.restore(
+            int(step), args=ocp.args.StandardRestore(_abstract(template))
+        )
+        return _from_saved(saved, template)
+
+    def restore_latest(self, template, *, before: int | None = None):
+        """The newest complete and finite checkpoint as ``(state, step)``, or None.
+
+        Args:
+          template: a state of the same structure (e.g. a freshly created ``TrainState``).
+          before: only consider checkpoints at steps ``<= before``.
+
+        A checkpoint that fails to restore (truncated, corrupt) or holds non-finite values is
+        skipped with a warning.
+        """
+        self.wait()
+        for step in reversed(self.steps()):
+            if before is not None and step > before:
+                continue
+            try:
+                state = self.restore(step, template)
+            except Exception as err:  # orbax raises many types for a damaged directory
+                warnings.warn(
+                    f"checkpoint {self.directory / str(step)} is incomplete or corrupt "
+                    f"({type(err).__name__}: {str(err)[:120]}); skipped",
+                    stacklevel=2,
+                )
+                continue
+            if not tree_is_finite(state):
+                warnings.warn(f"checkpoint at step {step} is not finite; skipped", stacklevel=2)
+                continue
+            return state, step
+        return None
+
+    def path(self, step: int) -> Path:
+        return self.directory / str(int(step))
+
+    def wait(self) -> None:
+        """Blocks until background saves are written."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()

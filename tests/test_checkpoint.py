@@ -1,0 +1,82 @@
+"""Checkpointer: finite states only; newest complete, finite checkpoint wins on restore."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from tiny_models import Net, data, loss_fn
+
+from nan2safe_jax import Gear, TrainState, make_train_step
+from nan2safe_jax import gear as G
+from nan2safe_jax.checkpoint import Checkpointer, tree_is_finite
+
+
+def _trained(steps=3, seed=0):
+    state = TrainState.create(Net(rngs=nnx.Rngs(seed)), optax.adam(1e-3))
+    step = make_train_step(loss_fn)
+    x, y = data(steps)
+    for i in range(steps):
+        state, _ = step(state, (x[i], y[i]))
+    return state
+
+
+def _equal(a, b):
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+@pytest.fixture(scope="module")
+def trained():
+    state = _trained()
+    return state.replace(gear=G.set_site(state.gear, "blocks.1", Gear.SAFE))
+
+
+def test_round_trip_keeps_params_gears_and_baselines(tmp_path, trained):
+    ck = Checkpointer(tmp_path / "ck")
+    assert ck.save(3, trained)
+    fresh = TrainState.create(Net(rngs=nnx.Rngs(1)), optax.adam(1e-3))
+    restored, step = ck.restore_latest(fresh)
+    assert step == 3
+    _equal(restored, trained)
+    assert int(restored.gear.sites["blocks.1"]) == Gear.SAFE
+
+
+def test_nonfinite_state_is_never_written(tmp_path, trained):
+    ck = Checkpointer(tmp_path / "ck", async_save=False)
+    assert ck.save(3, trained)
+    bad = trained.replace(
+        params=jax.tree_util.tree_map(lambda p: p.at[(0,) * p.ndim].set(jnp.nan), trained.params)
+    )
+    assert not tree_is_finite(bad)
+    assert not ck.save(6, bad)  # host check
+    assert not ck.save(6, trained, finite=False)  # the step's own verdict
+    assert ck.steps() == [3]
+
+
+def test_corrupt_checkpoint_is_skipped_with_a_warning(tmp_path, trained):
+    ck = Checkpointer(tmp_path / "ck", async_save=False)
+    ck.save(3, trained)
+    later = trained.replace(step=trained.step + 3)
+    ck.save(6, later)
+    for root, _, files in os.walk(ck.path(6)):
+        for f in files:
+            open(os.path.join(root, f), "w").close()  # truncate every file
+    with pytest.warns(UserWarning, match="incomplete or corrupt"):
+        restored, step = Checkpointer(tmp_path / "ck").restore_latest(trained)
+    assert step == 3
+    _equal(restored, trained)
+
+
+def test_restore_before_a_step(tmp_path, trained):
+    ck = Checkpointer(tmp_path / "ck", async_save=False)
+    ck.save(3, trained)
+    ck.save(6, trained.replace(step=trained.step + 3))
+    _, step = ck.restore_latest(trained, before=5)
+    assert step == 3
+    assert ck.restore_latest(trained, before=2) is None

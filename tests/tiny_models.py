@@ -1,0 +1,62 @@
+"""Tiny models shared by the core tests: a user-written site with a declared probe."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nan2safe_jax import detector
+from nan2safe_jax.site import Probe, SiteGear, site_scope
+
+D = 16
+
+
+class Block(nnx.Module):
+    """A minimal user-written site: its own gear, one declared probe, a residual MLP."""
+
+    def __init__(self, d, *, rngs, dtype=jnp.float32):
+        self.up = nnx.Linear(d, 2 * d, rngs=rngs, dtype=dtype, param_dtype=dtype)
+        self.down = nnx.Linear(2 * d, d, rngs=rngs, dtype=dtype, param_dtype=dtype)
+        self.gear = SiteGear(jnp.zeros((), jnp.int32))
+        self.site_name = "Block"
+        self.probe_hidden = Probe(jnp.zeros(detector.NUM_STATS, jnp.float32))
+
+    def __call__(self, x):
+        with site_scope(self.site_name):
+            h = self.up(x)
+            self.probe_hidden[...] = detector.stats(h)
+            return x + self.down(jax.nn.relu(h))
+
+
+class Net(nnx.Module):
+    def __init__(self, *, rngs, dtype=jnp.float32):
+        self.blocks = nnx.List([Block(D, rngs=rngs, dtype=dtype) for _ in range(2)])
+        self.head = nnx.Linear(D, 1, rngs=rngs, dtype=dtype, param_dtype=dtype)
+
+    def __call__(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return jnp.mean(jnp.square(model(x).astype(jnp.float32) - y))
+
+
+def logistic_loss(model, batch):
+    x, y = batch
+    out = model(x).astype(jnp.float32)
+    return jnp.mean(jax.nn.softplus(out) - (y > 0) * out)
+
+
+def data(n, scale=None, seed=0, dtype=jnp.float32):
+    """``n`` batches ``(x f[n, 32, D], y f32[n, 32, 1])``."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 32, D)).astype(np.float32)
+    if scale is not None:
+        x *= np.asarray(scale, np.float32)[:, None, None]
+    y = np.sin(x.sum(-1, keepdims=True) / 4)
+    return jnp.asarray(x, dtype), jnp.asarray(y, jnp.float32)
