@@ -1,0 +1,322 @@
+"""Event log round-trips, readers that survive a killed writer, summary counts, the dashboard."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nan2safe_jax import report as R
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+LOCATE_REPORT = {
+    "primitive": "div",
+    "source": "model.py:42",
+    "name_stack": "jvp(nan2safe[blocks.1.attn])",
+    "site": "blocks.1.attn",
+    "direction": "forward",
+    "kind": "nan",
+    "diagnosis": "0/0",
+    "eqn_path": [3, ["iter", 1], 17],
+    "channels": {"0": [1], "2": [0, 5]},
+    "replays": 7,
+    "seconds": 2.5,
+    "reproducible": True,
+}
+
+
+def _synthetic(workdir: Path, steps: int = 120) -> dict:
+    """A run: downshift at 30, NaN loss at 40-41 located in blocks.1.attn, SAFE 42-49, resume."""
+    t0 = 1_700_000_000.0
+    with R.EventLog(workdir) as log:
+        for s in range(steps):
+            gear = 0 if s < 30 else (1 if s < 100 else 0)
+            safe = ["blocks.1.attn"] if 42 <= s < 50 else []
+            loss = math.nan if s in (40, 41) else 3.0 * math.exp(-s / 50) + 0.1
+            log.log_metrics(
+                {
+                    "step": s,
+                    "time": t0 + 0.1 * s,
+                    "loss": np.float32(loss),
+                    "risk": 1.0 if s == 30 else (0.5 if s in (29, 40) else 0.0),
+                    "gear": gear,
+                    "next_gear": gear,
+                    "loss_scale": 2.0**16 if gear == 0 else 2.0**8,
+                    "grad_norm": jnp.float32(1.0),
+                    "nonfinite": 1.0 if s in (40, 41) else 0.0,
+                    "skipped": s in (40, 41, 70),
+                    "finite": s not in (40, 41),
+                    "safe_sites": safe,
+                    "site_gears": {"blocks.1.attn": [1, 2 if safe else 1], "mlp": gear},
+                }
+            )
+        log.append("downshift", 30, **{"from": 0, "to": 1, "risk": 1.0, "probes": ["attn_logits"]})
+        log.append("skip", 40, reason="incident")
+        log.append("skip", 41, reason="incident")
+        log.append("skip", 70, reason="overflow")
+        log.append("locate", 41, report=LOCATE_REPORT, action="site blocks.1.attn -> SAFE")
+        log.append("safe_enter", 42, site="blocks.1.attn", steps=8)
+        log.append("safe_exit", 50, site="blocks.1.attn")
+        log.append("recover", 100, to=0)
+        for c in range(0, steps, 25):
+            log.append("checkpoint", c, path=f"ckpt/{c}")
+        log.append("resume", 42, from_step=25, path="ckpt/25")
+        log.append("transient", 80, detail="replay finite")
+        log.append("polluted_input", 90, report={"diagnosis": "polluted input", "kind": "nan"})
+        log.append("error", 95, detail="orbax timeout")
+    # the NaN-as-string form, then a record cut off by a kill
+    with open(workdir / R.METRICS_FILE, "a") as f:
+        rec = {"step": steps, "time": t0 + 0.1 * steps, "loss": "Infinity", "risk": 0.0}
+        f.write(json.dumps(rec) + "\n")
+        f.write('{"step": 999, "time": 1.0, "lo')
+    with open(workdir / R.EVENTS_FILE, "a") as f:
+        f.write('{"type": "checkpoint", "st')
+    return {"steps": steps + 1, "checkpoints": len(range(0, steps, 25))}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    wd = tmp_path_factory.mktemp("run")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expect = _synthetic(wd)
+    return wd, expect
+
+
+def test_eventlog_round_trips_values(tmp_path):
+    with R.EventLog(tmp_path) as log:
+        written = log.append(
+            "locate",
+            np.int64(5),
+            a=np.float32(1.5),
+            b=jnp.float32(2.0),
+            c=math.nan,
+            d=float("inf"),
+            e={"x": (1, 2), "y": {"z": np.arange(3)}, 3: jnp.ones((2,), jnp.int32)},
+            f=np.bool_(True),
+            g=Path("a/b"),
+            **{"from": 0},
+        )
+        log.log_metrics({"step": 5, "loss": -math.inf, "arr": jnp.zeros((2, 2))})
+        assert not log.closed
+    assert log.closed
+    with pytest.raises(ValueError, match="closed"):
+        log.append("error", 0)
+    (ev,) = R.read_events(tmp_path)
+    assert ev == {**written, "c": ev["c"]}
+    assert ev["type"] == "locate" and ev["step"] == 5 and ev["from"] == 0
+    assert ev["a"] == 1.5 and ev["b"] == 2.0 and math.isnan(ev["c"]) and ev["d"] == math.inf
+    assert ev["e"] == {"x": [1, 2], "y": {"z": [0, 1, 2]}, "3": [1, 1]}
+    assert ev["f"] is True and ev["g"] == "a/b" and isinstance(ev["time"], float)
+    (m,) = R.read_metrics(tmp_path)
+    assert m["loss"] == -math.inf and m["arr"] == [[0.0, 0.0], [0.0, 0.0]] and "time" in m
+    # bare NaN tokens on disk (Python's json default), one line per record
+    text = (tmp_path / R.EVENTS_FILE).read_text()
+    assert "NaN" in text and text.count("\n") == 1
+
+
+def test_reader_accepts_string_nonfinite_and_skips_truncated_line(tmp_path):
+    p = tmp_path / R.METRICS_FILE
+    p.write_text(
+        '{"step": 0, "loss": NaN, "risk": 0}\n'
+        '{"step": 1, "loss": "NaN", "risk": "Infinity"}\n'
+        '{"step": 2, "loss": "-Infinity"}\n'
+        '{"step": 3, "lo'
+    )
+    with pytest.warns(RuntimeWarning, match="truncated last line"):
+        recs = R.read_metrics(tmp_path)
+    assert [r["step"] for r in recs] == [0, 1, 2]
+    assert math.isnan(recs[0]["loss"]) and math.isnan(recs[1]["loss"])
+    assert recs[1]["risk"] == math.inf and recs[2]["loss"] == -math.inf
+    assert R.read_events(tmp_path) == []  # missing file
+
+
+def test_reopen_after_kill_starts_a_fresh_line(tmp_path):
+    (tmp_path / R.EVENTS_FILE).write_text('{"type": "skip", "step": 1, "time": 0}\n{"type": "ch')
+    with R.EventLog(tmp_path) as log:
+        log.append("resume", 2, from_step=0, path="ckpt/0")
+    with pytest.warns(RuntimeWarning, match="unreadable line 2"):
+        events = R.read_events(tmp_path)
+    assert [e["type"] for e in events] == ["skip", "resume"]
+    with pytest.warns(RuntimeWarning):
+        assert [e["type"] for e in log.events] == ["skip", "resume"]
+
+
+def test_summary_counts(run_dir):
+    wd, expect = run_dir
+    with pytest.warns(RuntimeWarning):
+        s = R.summary(wd)
+    assert s["steps"] == s["records"] == expect["steps"]
+    assert (s["first_step"], s["last_step"]) == (0, expect["steps"] - 1)
+    assert s["final_loss"] == math.inf and s["nonfinite_losses"] == 3
+    assert s["min_loss"] == pytest.approx(3.0 * math.exp(-119 / 50) + 0.1, rel=1e-6)
+    assert s["skipped"] == 3 and s["skip_reasons"] == {"incident": 2, "overflow": 1}
+    assert s["downshifts"] == 1 and s["incidents_located"] == 1
+    (inc,) = s["incidents"]
+    assert inc["site"] == "blocks.1.attn" and inc["primitive"] == "div"
+    assert inc["diagnosis"] == "0/0" and inc["step"] == 41 and inc["replays"] == 7
+    assert inc["label"] == "blocks.1.attn: div (0/0)"
+    assert s["safe_entries"] == 1 and s["safe_sites"] == ["blocks.1.attn"] and s["safe_exits"] == 1
+    assert s["recoveries"] == 1 and s["checkpoints"] == expect["checkpoints"]
+    assert s["resumes"] == s["transients"] == s["polluted_inputs"] == s["errors"] == 1
+    assert s["seconds_per_step"] == pytest.approx(0.1, rel=1e-3)
+    assert s["final_gear"] == 0
+
+
+def test_summary_dedupes_rerun_steps(tmp_path):
+    with R.EventLog(tmp_path) as log:
+        for s, loss in [(0, 3.0), (1, 2.0), (2, math.nan), (1, 2.5), (2, 1.5), (3, 1.0)]:
+            log.log_metrics({"step": s, "loss": loss, "time": 10.0 + s})
+    s = R.summary(tmp_path)
+    assert (s["steps"], s["records"], s["nonfinite_losses"]) == (4, 6, 0)
+    assert s["final_loss"] == 1.0 and s["skipped"] == 0
+
+
+def test_print_summary_renders_table(run_dir):
+    from rich.console import Console
+
+    wd, _ = run_dir
+    console = Console(record=True, width=140)
+    with pytest.warns(RuntimeWarning):
+        s = R.print_summary(wd, console=console)
+    out = console.export_text()
+    for text in ("steps run", "downshifts", "incidents located", "blocks.1.attn", "div", "0/0"):
+        assert text in out
+    assert "100.0 ms" in out and s["steps"] == 121
+
+
+def test_figure_panels(run_dir):
+    wd, _ = run_dir
+    with pytest.warns(RuntimeWarning):
+        fig = R._figure(wd)
+    axes = fig.axes
+    assert len(axes) == 3
+    shared = axes[0].get_shared_x_axes()
+    assert shared.joined(axes[0], axes[1]) and shared.joined(axes[0], axes[2])
+    assert axes[0].get_yscale() == "log"
+    labels = [t.get_text() for t in axes[2].get_yticklabels()]
+    assert labels[:3] == ["FAST", "STABLE", "SAFE"] and "blocks.1.attn" in labels
+    texts = [t.get_text() for t in axes[0].texts]
+    assert "blocks.1.attn: div (0/0)" in texts
+    title = fig._suptitle.get_text()
+    assert "nan2safe" in title and "1 incident located" in title and "1 downshift" in title
+    # the non-finite losses sit at the top of the loss panel
+    nonfinite = [ln for ln in axes[0].lines if ln.get_label() == "non-finite loss"]
+    assert len(nonfinite) == 1 and sorted(nonfinite[0].get_xdata()) == [40, 41, 120]
+
+
+def test_dashboard_writes_png(run_dir, tmp_path):
+    wd, _ = run_dir
+    with pytest.warns(RuntimeWarning):
+        out = R.dashboard(wd)
+    assert out == wd / R.DASHBOARD_FILE
+    data = out.read_bytes()
+    assert data[:8] == PNG_MAGIC and 20_000 < len(data) < 2_000_000
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width >= 1000 and height >= 700
+    with pytest.warns(RuntimeWarning):
+        other = R.dashboard(wd, tmp_path / "sub" / "d.png")
+    assert other.read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize("case", ["no_events", "empty", "single_step", "events_only"])
+def test_dashboard_degenerate_runs(tmp_path, case):
+    if case in ("no_events", "single_step"):
+        with open(tmp_path / R.METRICS_FILE, "w") as f:
+            for s in range(1 if case == "single_step" else 5):
+                f.write(json.dumps({"step": s, "loss": 1.0, "risk": 0.0, "gear": 0}) + "\n")
+    elif case == "events_only":
+        with R.EventLog(tmp_path) as log:
+            log.append("error", 3, detail="died before the first step")
+    out = R.dashboard(tmp_path)
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    expect = {"empty": 0, "events_only": 0, "no_events": 5, "single_step": 1}[case]
+    assert R.summary(tmp_path)["steps"] == expect
+
+
+def test_dashboard_missing_workdir(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        R.dashboard(tmp_path / "nope")
+
+
+def test_dashboard_many_steps_downsamples(tmp_path):
+    n = 40_000
+    rng = np.random.default_rng(0)
+    loss = 2.0 + rng.standard_normal(n) * 0.01
+    loss[12_345] = 50.0  # a spike that decimation must keep
+    gear = np.zeros(n, np.int64)
+    gear[20_001:20_003] = 1  # a two-step excursion that decimation must keep
+    with open(tmp_path / R.METRICS_FILE, "w") as f:
+        for s in range(n):
+            f.write(
+                json.dumps(
+                    {"step": s, "loss": loss[s], "risk": 0.0, "gear": int(gear[s]), "time": s}
+                )
+                + "\n"
+            )
+    fig = R._figure(tmp_path)
+    loss_line, risk_line = fig.axes[0].lines[0], fig.axes[1].lines[0]
+    assert len(loss_line.get_xdata()) <= R.MAX_POINTS + 2
+    assert len(risk_line.get_xdata()) <= R.MAX_POINTS + 2
+    assert 50.0 in loss_line.get_ydata()
+    gear_line = fig.axes[2].lines[0]
+    assert len(gear_line.get_xdata()) <= R.MAX_POINTS + 10 and 1.0 in gear_line.get_ydata()
+    assert R.dashboard(tmp_path).stat().st_size > 10_000
+
+
+def test_site_rows_from_site_gears_and_events(tmp_path):
+    with R.EventLog(tmp_path) as log:
+        for s in range(10):
+            gears = {"a": [[1, 2 if 3 <= s < 5 else 1]], "b": 0}
+            log.log_metrics({"step": s, "loss": 1.0, "site_gears": gears})
+        log.append("safe_enter", 6, site="c", steps=3)  # no metrics mention c
+        log.append("safe_enter", 8, site="d", steps=None)  # open until the end
+    rows = R._site_rows(R._load(tmp_path))
+    assert rows == {"a": [(3.0, 2.0)], "c": [(6.0, 3.0)], "d": [(8.0, 2.0)]}
+    labels = [t.get_text() for t in R._figure(tmp_path).axes[2].get_yticklabels()]
+    assert labels == ["FAST", "STABLE", "SAFE", "a", "c", "d"]
+
+
+def test_decimate_keeps_extremes():
+    y = np.arange(100_000, dtype=np.float64)
+    y[777] = 1e9
+    y[5000:5100] = np.nan
+    idx = R._decimate(y, 1000)
+    assert len(idx) <= 1002 and 777 in idx and idx[0] == 0 and idx[-1] == len(y) - 1
+    assert np.all(np.diff(idx) > 0)
+
+
+def test_write_tensorboard(tmp_path, monkeypatch, run_dir):
+    wd, _ = run_dir
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # not importable
+    assert R.write_tensorboard(wd) is False
+
+    calls = []
+
+    class Writer:
+        def __init__(self, logdir):
+            calls.append(("init", logdir))
+
+        def add_scalar(self, tag, value, step):
+            calls.append(("scalar", tag, value, step))
+
+        def add_text(self, tag, text, step):
+            calls.append(("text", tag, step))
+
+        def close(self):
+            calls.append(("close",))
+
+    monkeypatch.setitem(sys.modules, "tensorboardX", types.SimpleNamespace(SummaryWriter=Writer))
+    with pytest.warns(RuntimeWarning):
+        assert R.write_tensorboard(wd, tmp_path / "tb") is True
+    assert calls[0] == ("init", str(tmp_path / "tb")) and calls[-1] == ("close",)
+    losses = [c for c in calls if c[:2] == ("scalar", "loss")]
+    assert len(losses) == 118 and all(math.isfinite(c[2]) for c in losses)
+    assert ("text", "events/locate", 41) in calls
