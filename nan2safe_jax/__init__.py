@@ -3,10 +3,11 @@
 Public surface (see DESIGN.md). ``import nan2safe_jax as nan2safe``.
 """
 
-from nan2safe_jax import detector, gear, optax, site
+from nan2safe_jax import detector, gear, nn, ops, optax, site
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear, GearState
 from nan2safe_jax.site import Probe, SiteGear
+from nan2safe_jax.supervisor import Trainer
 from nan2safe_jax.train import TrainState, make_train_step
 
 __all__ = [
@@ -16,9 +17,12 @@ __all__ = [
     "Probe",
     "SiteGear",
     "TrainState",
+    "Trainer",
     "detector",
     "gear",
     "make_train_step",
+    "nn",
+    "ops",
     "optax",
     "site",
 ]

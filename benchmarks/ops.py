@@ -1,0 +1,250 @@
+"""FAST-path cost of each ``nan2safe_jax.nn`` site vs the plain ``flax.nnx`` module.
+
+For every module: one jitted forward+backward (``value_and_grad`` w.r.t. parameters and input)
+of the plain flax module, and one of the nan2safe site with its gear as a *traced* argument
+(how the train step runs it: ``lax.switch`` over the three paths, probes written). The site is
+timed in each gear from the same executable, and once more with its probe statistics traced as
+zeros ("no-probe": the cost of the gear switch and the FAST path alone). Rounds are
+interleaved (every variant once per round, in turn) and the median per-call time is reported,
+so slow drifts of a shared machine hit all variants alike.
+
+    python benchmarks/ops.py [--json out.json] [--rounds 15] [--dtype float32] [--forward]
+
+Target: FAST / flax <= 1.05 per module. Demo sizes: batch 8, seq 128, d_model 256, 4 heads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nan2safe_jax import detector, nn
+from nan2safe_jax import ops as n2s_ops
+
+B, T, D, H, FF, V, E, K = 8, 128, 256, 4, 1024, 256, 8, 2
+
+
+class _FlaxRouter(nnx.Module):
+    """The plain top-k gate: Linear -> softmax -> top-k -> renormalise (f32 math as in FAST)."""
+
+    def __init__(self, d, e, k, *, dtype, rngs):
+        self.gate = nnx.Linear(d, e, use_bias=False, dtype=dtype, rngs=rngs)
+        self.k = k
+
+    def __call__(self, x):
+        probs = jax.nn.softmax(self.gate(x), axis=-1)
+        top_p, idx = jax.lax.top_k(probs, self.k)
+        return top_p / jnp.sum(top_p, -1, keepdims=True), idx, probs
+
+
+def _modules(dtype):
+    """name -> (flax module, nan2safe module, input, call(module, x) -> float output)."""
+    r = jax.random.key(0)
+    x = jax.random.normal(r, (B, T, D), jnp.float32).astype(dtype)
+    tokens = jax.random.randint(r, (B, T), 0, V)
+    causal = nnx.make_causal_mask(jnp.ones((B, T)))  # [B, 1, T, T], the same mask for both
+    kw = dict(dtype=dtype)
+
+    def router_call(m, x):
+        out = m(x)
+        return out[0] if isinstance(out, tuple) and not hasattr(out, "gates") else out.gates
+
+    return {
+        "Linear": (
+            nnx.Linear(D, FF, rngs=nnx.Rngs(0), **kw),
+            nn.Linear(D, FF, rngs=nnx.Rngs(0), **kw),
+            x,
+            lambda m, x: m(x),
+        ),
+        "Embed": (
+            nnx.Embed(V, D, rngs=nnx.Rngs(0), **kw),
+            nn.Embed(V, D, rngs=nnx.Rngs(0), **kw),
+            tokens,
+            lambda m, x: m(x),
+        ),
+        "LayerNorm": (
+            nnx.LayerNorm(D, rngs=nnx.Rngs(0), **kw),
+            nn.LayerNorm(D, rngs=nnx.Rngs(0), **kw),
+            x,
+            lambda m, x: m(x),
+        ),
+        "RMSNorm": (
+            nnx.RMSNorm(D, rngs=nnx.Rngs(0), **kw),
+            nn.RMSNorm(D, rngs=nnx.Rngs(0), **kw),
+            x,
+            lambda m, x: m(x),
+        ),
+        "MultiHeadAttention": (
+            nnx.MultiHeadAttention(H, D, rngs=nnx.Rngs(0), decode=False, **kw),
+            nn.MultiHeadAttention(H, D, rngs=nnx.Rngs(0), **kw),
+            x,
+            lambda m, x: m(x, mask=causal),
+        ),
+        "Router": (
+            _FlaxRouter(D, E, K, rngs=nnx.Rngs(0), **kw),
+            nn.Router(D, E, K, rngs=nnx.Rngs(0), **kw),
+            x,
+            router_call,
+        ),
+    }
+
+
+@contextlib.contextmanager
+def _probes_off():
+    """Traces with every probe statistic replaced by zeros: the cost of the gear switch alone."""
+    zeros = lambda *a, **k: jnp.zeros(detector.NUM_STATS, jnp.float32)
+    saved = (n2s_ops._stats, nn.sampled_stats, nn.cheap_stats)
+    n2s_ops._stats, nn.sampled_stats, nn.cheap_stats = zeros, zeros, zeros
+    try:
+        yield
+    finally:
+        n2s_ops._stats, nn.sampled_stats, nn.cheap_stats = saved
+
+
+def _step_fn(module, call, forward: bool, with_gear: bool):
+    """A jitted (state, x[, gear]) -> outputs; forward+backward unless ``forward``."""
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    differentiable_x = lambda x: jnp.issubdtype(x.dtype, jnp.floating)
+
+    def loss(params, rest, x, gear):
+        m = nnx.merge(graphdef, params, rest, copy=True)
+        if with_gear:
+            m.gear[...] = gear
+        y = call(m, x)
+        return jnp.sum(y.astype(jnp.float32)), nnx.state(m, nnx.Not(nnx.Param))
+
+    if forward:
+        fn = loss
+    else:
+
+        def fn(p, r, x, g):
+            argnums = (0, 2) if differentiable_x(x) else 0
+            return jax.value_and_grad(loss, argnums=argnums, has_aux=True)(p, r, x, g)
+
+    return jax.jit(fn), params, rest
+
+
+def _time(fn: Callable[[], object], iters: int) -> float:
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(iters):
+        out = fn()
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--iters", type=int, default=0, help="calls per timing (0: ~50 ms worth)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--forward", action="store_true", help="forward only (default: fwd+bwd)")
+    ap.add_argument("--only", nargs="*", help="module names to run")
+    args = ap.parse_args(argv)
+    dtype = jnp.dtype(args.dtype)
+
+    mods = _modules(dtype)
+    if args.only:
+        mods = {k: v for k, v in mods.items() if k in args.only}
+    variants = {}  # (module, variant) -> thunk
+    compile_s = {}
+    for name, (plain, site, x, call) in mods.items():
+        g0 = jnp.int32(0)
+        for label, module, gears in (
+            ("flax", plain, (None,)),
+            ("site", site, (0, 1, 2)),
+            ("noprobe", site, (0,)),
+        ):
+            fn, p, r = _step_fn(module, call, args.forward, with_gear=label != "flax")
+            t0 = time.perf_counter()
+            with _probes_off() if label == "noprobe" else contextlib.nullcontext():
+                jax.block_until_ready(fn(p, r, x, g0))  # traces (and compiles) here
+            compile_s[(name, label)] = time.perf_counter() - t0
+            for g in gears:
+                gear = jnp.int32(0 if g is None else g)
+                tag = "flax" if g is None else ("FAST", "STABLE", "SAFE")[g]
+                key = (name, "FAST-noprobe" if label == "noprobe" else tag)
+                variants[key] = lambda fn=fn, p=p, r=r, x=x, gear=gear: fn(p, r, x, gear)
+
+    iters = {}
+    for key, thunk in variants.items():
+        thunk()
+        n = args.iters or max(1, int(0.05 / max(_time(thunk, 2), 1e-6)))
+        iters[key] = n
+
+    samples = {key: [] for key in variants}
+    for _ in range(args.rounds):
+        for key, thunk in variants.items():
+            samples[key].append(_time(thunk, iters[key]))
+    med = {key: statistics.median(v) for key, v in samples.items()}
+
+    rows = []
+    for name in mods:
+        base = med[(name, "flax")]
+        row = {
+            "module": name,
+            "flax_us": base * 1e6,
+            "compile_flax_s": compile_s[(name, "flax")],
+            "compile_site_s": compile_s[(name, "site")],
+        }
+        for g in ("FAST", "STABLE", "SAFE", "FAST-noprobe"):
+            k = g.lower().replace("-", "_")
+            row[f"{k}_us"] = med[(name, g)] * 1e6
+            row[f"{k}_ratio"] = med[(name, g)] / base
+        rows.append(row)
+
+    mode = "forward" if args.forward else "forward+backward"
+    print(
+        f"nan2safe.nn sites vs flax.nnx, {mode}, {dtype.name}, B={B} T={T} D={D} H={H}; "
+        f"median of {args.rounds} interleaved rounds; {jax.devices()[0].platform}"
+    )
+    hdr = (
+        f"{'module':<20}{'flax us':>10}{'FAST us':>10}{'FAST x':>8}{'no-probe x':>12}"
+        f"{'STABLE x':>10}{'SAFE x':>8}{'compile flax/site s':>22}"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(
+            f"{r['module']:<20}{r['flax_us']:>10.1f}{r['fast_us']:>10.1f}{r['fast_ratio']:>8.3f}"
+            f"{r['fast_noprobe_ratio']:>12.3f}{r['stable_ratio']:>10.3f}{r['safe_ratio']:>8.3f}"
+            f"{r['compile_flax_s']:>12.2f} / {r['compile_site_s']:<7.2f}"
+        )
+    worst = max(r["fast_ratio"] for r in rows)
+    worst_np = max(r["fast_noprobe_ratio"] for r in rows)
+    print(
+        f"worst FAST ratio: {worst:.3f} with probes, {worst_np:.3f} without (target <= 1.05). "
+        "no-probe: the same site traced with its probe statistics replaced by zeros."
+    )
+    result = {
+        "benchmark": "ops",
+        "mode": mode,
+        "dtype": dtype.name,
+        "shape": {"batch": B, "seq": T, "d_model": D, "heads": H, "ff": FF, "experts": E},
+        "rounds": args.rounds,
+        "backend": jax.devices()[0].platform,
+        "jax": jax.__version__,
+        "machine": platform.machine(),
+        "rows": rows,
+        "worst_fast_ratio": worst,
+        "worst_fast_noprobe_ratio": worst_np,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

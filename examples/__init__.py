@@ -1,0 +1,1 @@
+"""Runnable examples built on nan2safe_jax (the demo transformer lives in transformer.py)."""

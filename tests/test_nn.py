@@ -1,0 +1,323 @@
+"""Tests for nan2safe_jax.nn sites and the example transformer."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from examples.transformer import Transformer, TransformerConfig, lm_loss, make_batch, set_knob
+from nan2safe_jax import detector, nn, site
+from nan2safe_jax.site import Probe, SiteGear
+
+# -O0 for LLVM: halves compile time, same numerics (see tests/test_ops.py)
+jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+F32, F16 = jnp.float32, jnp.float16
+
+
+def _finite(tree) -> bool:
+    return all(bool(jnp.all(jnp.isfinite(jnp.asarray(t, F32)))) for t in jax.tree.leaves(tree))
+
+
+def _set_gears(model, value, name: str | None = None, index: int | None = None) -> None:
+    """Writes a gear into every site (or the site ``name``; layer ``index`` of a stack)."""
+    for n, var in site.site_gears(model).items():
+        if name is not None and n != name:
+            continue
+        cur = var[...]
+        new = jnp.full(cur.shape, value, jnp.int32) if index is None else cur.at[index].set(value)
+        var[...] = new
+
+
+def _functional(model):
+    """A pure loss over (params, rest, batch) as the train step uses it (split/merge)."""
+    graphdef, _, _ = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, rest, batch):
+        m = nnx.merge(graphdef, params, rest, copy=True)
+        return lm_loss(m, batch), nnx.state(m, Probe)
+
+    return loss
+
+
+def _split(model):
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    return params, rest
+
+
+# ---------------------------------------------------------------------------------------------
+# a tiny fp16 model with scanned layers, shared by the tests below (compiled once: every site
+# compiles its three gears, forward and backward, so this is the expensive part of the file)
+
+TINY = TransformerConfig(
+    num_layers=2,
+    d_model=16,
+    num_heads=2,
+    seq_len=8,
+    vocab=16,
+    dtype=F16,
+    scan_layers=True,
+    norm="rms",
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = Transformer(TINY, rngs=nnx.Rngs(0))
+    site.name_sites(model)
+    batch = make_batch(jax.random.key(1), TINY, 2)
+    step = jit(jax.value_and_grad(_functional(model), has_aux=True))
+    return model, batch, step
+
+
+def test_site_attributes():
+    rngs = nnx.Rngs(0)
+    mods = {
+        "Linear": nn.Linear(4, 3, rngs=rngs),
+        "Embed": nn.Embed(5, 4, rngs=rngs),
+        "LayerNorm": nn.LayerNorm(4, rngs=rngs),
+        "RMSNorm": nn.RMSNorm(4, rngs=rngs),
+        "MultiHeadAttention": nn.MultiHeadAttention(2, 4, rngs=rngs),
+        "Router": nn.Router(4, 3, 2, rngs=rngs),
+        "CrossEntropy": nn.CrossEntropy(),
+    }
+    probes = {
+        "Linear": set(),  # opt-in: probe=True
+        "Embed": set(),
+        "LayerNorm": {"probe_output", "probe_inv_std"},
+        "RMSNorm": {"probe_output", "probe_inv_std"},
+        "MultiHeadAttention": {"probe_logits", "probe_probs"},
+        "Router": {"probe_logits"},
+        "CrossEntropy": {"probe_logits"},
+    }
+    for name, m in mods.items():
+        assert isinstance(m.gear, SiteGear) and m.gear[...].shape == ()
+        assert m.gear[...].dtype == jnp.int32 and m.site_name == name
+        found = {k for k, v in vars(m).items() if isinstance(v, Probe)}
+        assert found == probes[name], name
+        for k in found:
+            assert getattr(m, k)[...].shape == (detector.NUM_STATS,)
+    lin = nn.Linear(4, 3, probe=True, rngs=rngs)
+    emb = nn.Embed(5, 4, probe=True, rngs=rngs)
+    lin(jnp.full((2, 4), jnp.inf))
+    emb(jnp.arange(3))
+    assert float(lin.probe_output[...][3]) == 1.0  # the non-finite flag
+    assert float(emb.probe_output[...][0]) > 0
+
+
+def _copy_into(dst, src_vals):
+    for k, v in src_vals.items():
+        getattr(dst, k)[...] = v
+
+
+@pytest.mark.parametrize("kind", ["Linear", "Embed", "LayerNorm", "RMSNorm", "MultiHeadAttention"])
+def test_fast_matches_flax(kind):
+    """Same constructor, same parameters: the FAST gear computes what flax.nnx computes."""
+    r = np.random.default_rng(0)
+    x = jnp.asarray(r.normal(size=(2, 5, 8)), F32)
+    args = {
+        "Linear": (8, 6),
+        "Embed": (7, 8),
+        "LayerNorm": (8,),
+        "RMSNorm": (8,),
+        "MultiHeadAttention": (2, 8),
+    }[kind]
+    ref = getattr(nnx, kind)(*args, rngs=nnx.Rngs(0))
+    ours = getattr(nn, kind)(*args, rngs=nnx.Rngs(1))
+    if kind == "MultiHeadAttention":
+        for p in ("query", "key", "value"):
+            k = getattr(ref, p).kernel[...]
+            getattr(ours, p).kernel[...] = k.reshape(k.shape[0], -1)
+            getattr(ours, p).bias[...] = getattr(ref, p).bias[...].reshape(-1) + 0.1
+            getattr(ref, p).bias[...] = getattr(ref, p).bias[...] + 0.1
+        ours.out.kernel[...] = ref.out.kernel[...].reshape(-1, ref.out.kernel[...].shape[-1])
+        mask = jnp.asarray(r.random((2, 1, 5, 5)) > 0.3) | jnp.eye(5, dtype=bool)
+        want = ref(x, mask=mask, decode=False)
+        got = ours(x, mask=mask)
+    else:
+        _, ref_params = nnx.split(ref, nnx.Param)
+        nnx.update(ours, jax.tree.map(lambda a: a + 0.1, ref_params))
+        nnx.update(ref, jax.tree.map(lambda a: a + 0.1, ref_params))
+        inp = jnp.asarray(r.integers(0, 7, size=(2, 5))) if kind == "Embed" else x
+        want, got = ref(inp), ours(inp)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_mha_call_conventions():
+    rngs = nnx.Rngs(0)
+    m = nn.MultiHeadAttention(2, 8, qkv_features=12, out_features=6, normalize_qk=True, rngs=rngs)
+    assert isinstance(m.query_ln, nn.LayerNorm) and isinstance(m.key_ln, nn.LayerNorm)
+    graphdef, state = nnx.split(m)
+    x = jax.ShapeDtypeStruct((2, 5, 8), F32)
+    kv = jax.ShapeDtypeStruct((2, 3, 8), F32)
+
+    def calls(state, x, kv):  # shapes only: traced, never compiled
+        m = nnx.merge(graphdef, state, copy=True)
+        mask = jnp.ones((2, 1, 5, 3), bool)
+        return m(x), m(x, kv, mask=mask, deterministic=True), m(x[0], is_causal=True)
+
+    self_attn, cross, unbatched = jax.eval_shape(calls, state, x, kv)
+    assert self_attn.shape == cross.shape == (2, 5, 6) and unbatched.shape == (5, 6)
+    for bad in (dict(dropout_rate=0.1), dict(decode=True), dict(num_kv_heads=1)):
+        with pytest.raises(ValueError):
+            nn.MultiHeadAttention(2, 8, rngs=rngs, **bad)
+    with pytest.raises(ValueError, match="integers"):
+        nn.Embed(3, 2, rngs=rngs)(jnp.ones(2))
+
+
+def test_probes_are_stacked_under_scan(tiny):
+    model, batch, step = tiny
+    _set_gears(model, 0)
+    (loss, probes), _ = step(*_split(model), batch)
+    assert _finite(loss)
+    logits = probes["blocks"]["attn"]["probe_logits"][...]
+    assert logits.shape == (TINY.num_layers, detector.NUM_STATS)
+    assert np.all(np.asarray(logits[:, 0]) > 0)  # written by every layer
+    assert not np.allclose(logits[0], logits[1])  # per layer, not broadcast
+    assert probes["blocks"]["ln1"]["probe_inv_std"][...].shape == (2, detector.NUM_STATS)
+    assert float(probes["loss"]["probe_logits"][...][0]) > 0
+
+
+def test_gear_switch_in_jitted_step_never_recompiles(tiny, count_compiles):
+    model, batch, step = tiny
+    settings = [(0, None, None), (1, None, None), (2, "blocks.attn", 1), (2, "loss", None)]
+    states = []
+    for value, name, index in settings:  # build the inputs first: eager ops compile too
+        _set_gears(model, 0)
+        _set_gears(model, value, name, index)
+        states.append(_split(model))
+    _set_gears(model, 0)
+    jax.block_until_ready(step(*states[0], batch))
+    with count_compiles() as c:
+        outs = [step(*s, batch) for s in states]
+        jax.block_until_ready(outs)
+    assert c.count == 0
+    losses = [float(o[0][0]) for o in outs]
+    assert all(np.isfinite(losses))
+    np.testing.assert_allclose(losses, losses[0], rtol=2e-2)  # same model, different paths
+
+
+def test_fault_injection_and_one_layer_safe(tiny):
+    """fp16 q·k overflow in layer 1 only: NaN in FAST; that layer's attention in SAFE fixes it."""
+    model, batch, step = tiny
+    _set_gears(model, 0)
+    set_knob(model, "qk_scale", 1e5, layer=1)
+    try:
+        (loss, probes), _ = step(*_split(model), batch)
+        assert not np.isfinite(float(loss)), "the injected fault must be real"
+        head = np.asarray(probes["blocks"]["attn"]["probe_logits"][...][:, 4])
+        assert head[1] == 1.0 and head[0] < 0.5  # the probe sees it, in the right layer
+        _set_gears(model, 2, "blocks.attn", 1)
+        (loss, probes), grads = step(*_split(model), batch)
+        assert np.isfinite(float(loss)) and _finite(grads)
+    finally:
+        set_knob(model, "qk_scale", 1.0)
+        _set_gears(model, 0)
+
+
+def test_router_fault_injection():
+    """fp16 router scores past 65504 (growing router weights): NaN gates in FAST, SAFE fixes."""
+    router = nn.Router(8, 4, 2, dtype=F16, rngs=nnx.Rngs(0))
+    router.kernel[...] = jnp.full((8, 4), 1.0).at[0].set(jnp.asarray([1.0, 0.9, 0.8, 0.7]))
+    x = jnp.full((3, 8), 100.0, F16)
+    graphdef, params, rest = nnx.split(router, nnx.Param, ...)
+
+    @jit
+    def run(params, rest, x):
+        def f(params):
+            r = nnx.merge(graphdef, params, rest, copy=True)
+            out = r(x)
+            return jnp.sum(out.gates.astype(F32) * jnp.asarray([1.0, -1.0])), (
+                out,
+                r.probe_logits[...],
+            )
+
+        return jax.value_and_grad(f, has_aux=True)(params)
+
+    outs = []
+    for gear, scale in ((0, 1.0), (0, 100.0), (2, 100.0)):
+        router.gear[...] = jnp.int32(gear)
+        router.logit_scale[...] = jnp.float32(scale)
+        outs.append(run(*nnx.split(router, nnx.Param, ...)[1:], x))
+    (_, (ok, _)), _ = outs[0]
+    assert _finite(ok.gates)
+    (_, (bad, probe)), _ = outs[1]
+    assert not _finite(bad.gates) and float(probe[4]) == 1.0  # the probe shows the overflow
+    (_, (safe, _)), grads = outs[2]
+    assert _finite(safe.gates) and _finite(grads) and safe.gates.dtype == F16
+    np.testing.assert_array_equal(np.asarray(safe.indices), np.asarray(ok.indices))
+
+
+def _walk(jaxpr, out, prefix=""):
+    """(primitive, full name stack) of every equation, entering nested jaxprs.
+
+    A nested jaxpr's equations (scan body, cond branch, pjit) carry a name stack relative to
+    the equation that holds them; the full stack is the parent's stack joined with it.
+    """
+    for eqn in jaxpr.eqns:
+        own = str(eqn.source_info.name_stack)
+        full = "/".join(p for p in (prefix, own) if p)
+        out.append((eqn.primitive.name, full))
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                if hasattr(sub, "jaxpr") and hasattr(sub, "consts"):
+                    _walk(sub.jaxpr, out, full)
+                elif hasattr(sub, "eqns"):
+                    _walk(sub, out, full)
+    return out
+
+
+def test_name_stack_maps_equations_to_sites(tiny):
+    model, batch, _ = tiny
+    names = site.name_sites(model)
+    assert {"blocks.attn", "blocks.ln1", "blocks.mlp.fc1", "head", "loss"} <= set(names)
+    assert names["blocks.attn"] == (TINY.num_layers,) and names["head"] == ()
+    loss = _functional(model)
+    grad_jaxpr = jax.make_jaxpr(jax.grad(lambda p, r, b: loss(p, r, b)[0]))(*_split(model), batch)
+    eqns = _walk(grad_jaxpr.jaxpr, [])
+    stacks = [s for _, s in eqns]
+    for name in names:
+        assert any(f"nan2safe[{name}]" in s for s in stacks), name
+    # the attention core (inside nnx.scan) and its backward carry the attention site
+    attn = [(p, s) for p, s in eqns if site.site_from_name_stack(s) == "blocks.attn"]
+    assert any(p == "dot_general" for p, _ in attn) and any(p == "cond" for p, _ in attn)
+    backward = [s for s in stacks if "transpose" in s and "nan2safe[" in s]
+    assert backward and any(site.site_from_name_stack(s) == "head" for s in backward)
+    # the forward of the embedding lookup is attributed to its site, not to a neighbour
+    gathers = [s for p, s in eqns if p == "gather"]
+    assert any(site.site_from_name_stack(s) == "embed" for s in gathers)
+
+
+def test_scanned_remat_matches_unscanned():
+    """Same weights: a python loop over blocks == nnx.scan over nnx.vmap-built blocks + remat."""
+    cfg = TransformerConfig(num_layers=1, d_model=8, num_heads=2, seq_len=4, vocab=8, norm="rms")
+    unscanned = Transformer(cfg, rngs=nnx.Rngs(0))
+    scanned = Transformer(dataclasses.replace(cfg, scan_layers=True, remat=True), rngs=nnx.Rngs(0))
+    blocks_params = nnx.state(unscanned.blocks, nnx.Param)
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[blocks_params[i] for i in range(1)])
+    nnx.update(scanned.blocks, stacked)
+    for a in ("embed", "pos", "norm", "head"):
+        nnx.update(getattr(scanned, a), nnx.state(getattr(unscanned, a), nnx.Param))
+    batch = make_batch(jax.random.key(2), cfg, 2)
+    la, pa = jit(_functional(unscanned))(*_split(unscanned), batch)
+    lb, pb = jit(_functional(scanned))(*_split(scanned), batch)
+    np.testing.assert_allclose(la, lb, rtol=1e-5)
+    np.testing.assert_allclose(  # the layer's probe, unstacked vs stacked [1, NUM_STATS]
+        pa["blocks"][0]["attn"]["probe_logits"][...],
+        pb["blocks"]["attn"]["probe_logits"][...][0],
+        rtol=1e-5,
+    )
+
+
+def test_config_validation(tiny):
+    with pytest.raises(ValueError, match="divisible"):
+        TransformerConfig(d_model=10, num_heads=3)
+    with pytest.raises(ValueError, match="dtype"):
+        TransformerConfig(dtype=jnp.int32)
+    with pytest.raises(ValueError, match="no Knob"):
+        set_knob(tiny[0], "nope", 1.0)

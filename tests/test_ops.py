@@ -1,0 +1,505 @@
+"""Tests for nan2safe_jax.ops: agreement on benign inputs, faults on adversarial ones, gears.
+
+Every op is jitted once per dtype with the gear as a traced argument (module-scoped cache), so
+the gear parameterisation reuses one executable: that is also the "no recompile" property.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nan2safe_jax import ops
+
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+DTYPES = [F32, BF16, F16]
+GEARS = [0, 1, 2]
+# Tests compile many small programs: LLVM's -O0 halves the compile time and does not change
+# the numerics (XLA's HLO passes still run; LLVM never reassociates floats without fast-math).
+jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+# forward tolerance vs a float64 reference, by dtype (FAST computes in the dtype itself)
+TOL = {F32: 2e-5, BF16: 3e-2, F16: 4e-3}
+
+
+def _ids(dt):
+    return jnp.dtype(dt).name
+
+
+def _np(x):
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def _finite(tree) -> bool:
+    return all(
+        bool(jnp.all(jnp.isfinite(jnp.asarray(t, jnp.float32)))) for t in jax.tree.leaves(tree)
+    )
+
+
+def _close(actual, desired, dt, scale=1.0):
+    tol = TOL[dt] * scale
+    np.testing.assert_allclose(_np(actual), np.asarray(desired, np.float64), rtol=tol, atol=tol)
+
+
+@functools.cache
+def _jit(name, **static):
+    """One jitted function per (op, static args); the gear is a traced int32 argument."""
+    fn = getattr(ops, name)
+    return jit(lambda *args, gear, **kw: fn(*args, gear=gear, **static, **kw))
+
+
+def _run(name, *args, gear, **static):
+    return _jit(name, **static)(*args, gear=jnp.int32(gear))
+
+
+def _rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# float64 NumPy references
+
+
+def ref_softmax(x, where=None):
+    x = np.where(where, x, -np.inf) if where is not None else x
+    m = np.max(x, -1, keepdims=True)
+    e = np.exp(x - m)
+    return e / e.sum(-1, keepdims=True)
+
+
+def ref_logsumexp(x):
+    m = x.max(-1, keepdims=True)
+    return (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))[..., 0]
+
+
+def ref_attention(q, k, v, mask=None, causal=False, scale=None):
+    d = q.shape[-1]
+    scale = 1 / np.sqrt(d) if scale is None else scale
+    logits = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    m = np.ones(logits.shape, bool)
+    if mask is not None:
+        m = m & mask
+    if causal:
+        m = m & np.tril(np.ones(logits.shape[-2:], bool))
+    p = ref_softmax(logits, m)
+    return np.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def ref_layer_norm(x, scale, bias, eps):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * scale + bias
+
+
+def ref_rms_norm(x, scale, eps):
+    return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * scale
+
+
+def ref_cross_entropy(logits, labels, mask=None):
+    m = logits.max(-1, keepdims=True)
+    logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp, labels[..., None], -1)[..., 0]
+    if mask is None:
+        return nll.mean()
+    return (nll * mask).sum() / mask.sum()
+
+
+def ref_router_probs(x, kernel):
+    return ref_softmax(x @ kernel)
+
+
+# ---------------------------------------------------------------------------------------------
+# benign inputs: every gear agrees with the float64 reference
+
+
+@pytest.mark.parametrize("gear", GEARS)
+@pytest.mark.parametrize("dt", DTYPES, ids=_ids)
+def test_softmax_agrees(dt, gear):
+    r = _rng(1)
+    x = jnp.asarray(r.normal(size=(3, 8)) * 3, dt)
+    where = jnp.asarray(r.random((3, 8)) > 0.3).at[:, 0].set(True)
+    y = _jit("softmax")(x, gear=jnp.int32(gear), where=where)
+    assert y.dtype == dt
+    _close(y, ref_softmax(_np(x), np.asarray(where)), dt)
+    assert float(jnp.max(jnp.where(where, 0.0, jnp.abs(y.astype(F32))))) == 0.0
+
+
+@pytest.mark.parametrize("gear", GEARS)
+@pytest.mark.parametrize("dt", DTYPES, ids=_ids)
+def test_logsumexp_agrees(dt, gear):
+    x = jnp.asarray(_rng(2).normal(size=(3, 8)) * 3, dt)
+    y = _run("logsumexp", x, gear=gear)
+    assert y.dtype == dt and y.shape == (3,)
+    _close(y, ref_logsumexp(_np(x)), dt, scale=4)
+
+
+@pytest.mark.parametrize("gear", GEARS)
+@pytest.mark.parametrize("dt", DTYPES, ids=_ids)
+def test_attention_agrees(dt, gear):
+    r = _rng(3)
+    q, k, v = (jnp.asarray(r.normal(size=(2, 5, 2, 4)), dt) for _ in range(3))
+    mask = jnp.asarray(r.random((2, 1, 5, 5)) > 0.3).at[..., 0].set(True)
+    y = _run("attention", q, k, v, mask, causal=True, gear=gear)
+    assert y.dtype == dt and y.shape == q.shape
+    want = ref_attention(_np(q), _np(k), _np(v), np.asarray(mask), causal=True)
+    _close(y, want, dt, scale=2)
+
+
+@pytest.mark.parametrize("gear", GEARS)
+@pytest.mark.parametrize("dt", DTYPES, ids=_ids)
+def test_layer_norm_agrees(dt, gear):
+    r = _rng(4)
+    x = jnp.asarray(r.normal(size=(4, 16)) * 2 + 1, dt)
+    scale, bias = jnp.asarray(r.normal(size=16), F32), jnp.asarray(r.normal(size=16), F32)
+    y = _run("layer_norm", x, scale, bias, gear=gear, eps=1e-5)
+    assert y.dtype == dt
+    _close(y, ref_layer_norm(_np(x), _np(scale), _np(bias), 1e-5), dt, scale=3)
+
+
+@pytest.mark.parametrize("gear", GEARS)
+@pytest.mark.parametrize("dt", DTYPES, ids=_ids)
+def test_rms_norm_agrees(dt, gear):
+    r = _rng(5)
+    x = jnp.asarray(r.normal(size=(4, 16)) * 2, dt)
+    scale = jnp.asarray(r.normal(size=16), F32)
+    y = _run("rms_norm", x, scale, gear=gear, eps=1e-5)
+    assert y.dtype == dt
+    _close(y, ref_rms_norm(_np(x), _np(scale), 1e-5), dt, scale=3)
+
+
+@pytest.mark.parametrize("gear", GEARS)
+@pytest.mark.parametrize("dt", DTYPES, ids=_ids)
+def test_linear_agrees(dt, gear):
+    r = _rng(6)
+    x = jnp.asarray(r.normal(size=(2, 3, 8)), dt)
+    w, b = jnp.asarray(r.normal(size=(8, 5)) / 3, F32), jnp.asarray(r.normal(size=5), F32)
+    y = _run("linear", x, w, b, gear=gear)
+    assert y.dtype == dt and y.shape == (2, 3, 5)
+    _close(y, _np(x) @ _np(w.astype(dt)) + _np(b), dt, scale=4)
+
+
+@pytest.mark.parametrize("gear", GEARS)
+@pytest.mark.parametrize("dt", DTYPES, ids=_ids)
+def test_cross_entropy_agrees(dt, gear):
+    r = _rng(7)
+    logits = jnp.asarray(r.normal(size=(3, 4, 10)) * 2, dt)
+    labels = jnp.asarray(r.integers(0, 10, size=(3, 4)), jnp.int32)
+    mask = jnp.asarray(r.random((3, 4)) > 0.3).at[0, 0].set(True)
+    y = _run("cross_entropy", logits, labels, gear=gear, mask=None)
+    ym = _jit("cross_entropy")(logits, labels, gear=jnp.int32(gear), mask=mask)
+    assert y.dtype == F32 and y.shape == ()
+    _close(y, ref_cross_entropy(_np(logits), np.asarray(labels)), dt, scale=2)
+    _close(ym, ref_cross_entropy(_np(logits), np.asarray(labels), np.asarray(mask)), dt, scale=2)
+
+
+@pytest.mark.parametrize("gear", GEARS)
+@pytest.mark.parametrize("dt", DTYPES, ids=_ids)
+def test_router_agrees(dt, gear):
+    r = _rng(8)
+    x = jnp.asarray(r.normal(size=(2, 5, 8)), dt)
+    kernel = jnp.asarray(r.normal(size=(8, 6)), dt)
+    out = _run("router", x, kernel, top_k=2, gear=gear)
+    assert out.gates.dtype == dt and out.probs.dtype == dt and out.indices.dtype == jnp.int32
+    probs = ref_router_probs(_np(x), _np(kernel))
+    _close(out.probs, probs, dt, scale=2)
+    # the chosen experts carry the top-2 reference probabilities (robust to near-ties) ...
+    chosen = np.take_along_axis(probs, np.asarray(out.indices), -1)
+    best = -np.sort(-probs, -1)[..., :2]
+    np.testing.assert_allclose(chosen, best, atol=TOL[dt] * 4)
+    # ... and the gates are those probabilities renormalised
+    _close(out.gates, chosen / chosen.sum(-1, keepdims=True), dt, scale=2)
+
+
+# gradients on benign inputs: every gear's gradient matches the float64-derived FAST f32 one
+GRAD_CASES = {
+    "softmax": lambda x, g: jnp.sum(ops.softmax(x, gear=g) * jnp.arange(8.0)),
+    "logsumexp": lambda x, g: jnp.sum(ops.logsumexp(x, gear=g) * jnp.arange(1.0, 4.0)),
+    "attention": lambda x, g: jnp.sum(
+        ops.attention(x[None, :, None, :4], x[None, :, None, 4:], x[None, :, None, 2:6], gear=g)
+        * jnp.arange(4.0)
+    ),
+    "layer_norm": lambda x, g: jnp.sum(
+        ops.layer_norm(x, jnp.arange(8.0), jnp.ones(8), 1e-5, gear=g) ** 2 * jnp.arange(8.0)
+    ),
+    "rms_norm": lambda x, g: jnp.sum(ops.rms_norm(x, jnp.arange(8.0), 1e-5, gear=g) ** 3),
+    "linear": lambda x, g: jnp.sum(ops.linear(x, jnp.eye(8)[:, :5] + 0.1, None, gear=g) ** 2),
+    "cross_entropy": lambda x, g: ops.cross_entropy(x, jnp.array([1, 2, 7]), gear=g),
+    "router": lambda x, g: jnp.sum(
+        ops.router(x, jnp.eye(8)[:, :4] * 2 + 0.1, 2, gear=g).gates * jnp.array([1.0, 3.0])
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GRAD_CASES))
+def test_gradients_agree_across_gears(name):
+    x = jnp.asarray(_rng(9).normal(size=(3, 8)), F32)
+    grad = jit(jax.grad(GRAD_CASES[name]))
+    want = grad(x, jnp.int32(0))
+    assert _finite(want)
+    for g in (1, 2):
+        np.testing.assert_allclose(grad(x, jnp.int32(g)), want, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# adversarial inputs: the fault is real in FAST, SAFE is finite with finite gradients
+#
+# Each case: (dtype, make_inputs, f(inputs, gear) -> output, cotangent weights, stable_fixes)
+# ``stable_fixes``: overflow faults are already fixed by STABLE (f32 accumulation); degenerate
+# cases (0/0) are only defined by SAFE.
+
+
+def _attention_overflow(dt):
+    # fp16 q·k logits past 65504: |q|,|k| = 200 along 4 dims gives 160000 (scale 1)
+    r = _rng(10)
+    q = jnp.asarray(np.sign(r.normal(size=(1, 3, 1, 4))) * 200, dt)
+    k = jnp.asarray(np.sign(r.normal(size=(1, 3, 1, 4))) * 200, dt)
+    v = jnp.asarray(r.normal(size=(1, 3, 1, 4)), dt)
+    return (q, k, v), lambda a, g: ops.attention(*a, gear=g, scale=1.0)
+
+
+def _attention_masked_row(dt):
+    r = _rng(11)
+    q, k, v = (jnp.asarray(r.normal(size=(1, 3, 2, 4)), dt) for _ in range(3))
+    mask = jnp.ones((1, 1, 3, 3), bool).at[:, :, 1, :].set(False)  # query 1 sees nothing
+
+    def f(a, g):
+        return ops.attention(*a, mask=mask, gear=g)
+
+    return (q, k, v), f
+
+
+def _softmax_masked_row(dt):
+    x = jnp.asarray(_rng(12).normal(size=(3, 6)), dt)
+    where = jnp.ones((3, 6), bool).at[2].set(False)
+    return (x,), lambda a, g: ops.softmax(a[0], where=where, gear=g)
+
+
+def _logsumexp_fp16_sum(dt):
+    # 70000 equal terms: the fp16 sum passes 65504 (FAST: log(inf) = inf)
+    return (jnp.zeros((70000,), dt),), lambda a, g: ops.logsumexp(a[0], gear=g)
+
+
+def _logsumexp_masked_row(dt):
+    x = jnp.asarray(_rng(13).normal(size=(2, 5)), dt)
+    where = jnp.ones((2, 5), bool).at[1].set(False)
+    return (x,), lambda a, g: ops.logsumexp(a[0], where=where, gear=g)
+
+
+def _layer_norm_constant_row(dt):
+    x = jnp.asarray(_rng(14).normal(size=(3, 16)), dt).at[1].set(3.0)
+    s, b = jnp.linspace(0.5, 1.5, 16), jnp.linspace(-1, 1, 16)
+    return (x,), lambda a, g: ops.layer_norm(a[0], s, b, 0.0, gear=g)
+
+
+def _rms_norm_zero_row(dt):
+    x = jnp.asarray(_rng(15).normal(size=(3, 16)), dt).at[1].set(0.0)
+    s = jnp.linspace(0.5, 1.5, 16)
+    return (x,), lambda a, g: ops.rms_norm(a[0], s, 0.0, gear=g)
+
+
+def _cross_entropy_huge_logits(dt):
+    big = 1e4 if dt == F16 else 1e5  # ±1e5 is not representable in fp16 (max 65504)
+    logits = jnp.asarray([[big, -big, 0.0, 1.0], [-big, big, 2.0, 0.0]], dt)
+    labels = jnp.asarray([1, 0], jnp.int32)  # the targets have probability exp(-2e5) -> 0
+    return (logits,), lambda a, g: ops.cross_entropy(a[0], labels, gear=g)
+
+
+def _cross_entropy_empty_mask(dt):
+    logits = jnp.asarray(_rng(16).normal(size=(2, 3, 5)), dt)
+    labels = jnp.zeros((2, 3), jnp.int32)
+    mask = jnp.zeros((2, 3), bool)
+    return (logits,), lambda a, g: ops.cross_entropy(a[0], labels, gear=g, mask=mask)
+
+
+def _router_overflow(dt):
+    # fp16 scores past 65504 through the two softmaxes: x·w = 8 * 100 * 100 = 80000
+    x = jnp.full((3, 8), 100.0, dt).at[:, 0].set(90.0)
+    kernel = jnp.full((8, 4), 100.0, dt).at[0].set(jnp.asarray([100.0, 90.0, 80.0, 70.0], dt))
+    return (x,), lambda a, g: ops.router(a[0], kernel, 2, gear=g).gates
+
+
+def _linear_overflow(dt):
+    x = jnp.full((2, 4), 200.0, dt)
+    w = jnp.full((4, 3), 100.0, F32)
+    return (x,), lambda a, g: ops.linear(a[0], w, None, gear=g)
+
+
+def _rows_equal(row, value):
+    """A check on SAFE's output: ``out[row] == value`` (the documented degenerate value)."""
+
+    def check(out, dt):
+        want = np.broadcast_to(_np(jnp.asarray(value, dt)), out[row].shape)
+        np.testing.assert_allclose(_np(out[row]), want, atol=1e-6)
+
+    return check
+
+
+def _value(value, rtol):
+    def check(out, dt):
+        np.testing.assert_allclose(_np(out), value, rtol=rtol)
+
+    return check
+
+
+def _ce_exact(out, dt):
+    want = 2e4 if dt == F16 else (2e5 if dt == F32 else 2 * float(jnp.asarray(1e5, BF16)))
+    np.testing.assert_allclose(float(out), want, rtol=1e-6)  # the exact loss, not a clamp
+
+
+ADVERSARIAL = [
+    # (id, builder, dtypes where the fault exists, STABLE fixes it, check of SAFE's value)
+    ("attention-fp16-logits", _attention_overflow, [F16], True, None),
+    ("attention-masked-row", _attention_masked_row, DTYPES, False, _rows_equal((0, 1), 0.0)),
+    ("softmax-masked-row", _softmax_masked_row, DTYPES, False, _rows_equal(2, 0.0)),
+    ("logsumexp-fp16-sum", _logsumexp_fp16_sum, [F16], True, _value(np.log(70000.0), 2e-3)),
+    ("logsumexp-masked-row", _logsumexp_masked_row, DTYPES, False, None),
+    (
+        "layer_norm-constant-row-eps0",
+        _layer_norm_constant_row,
+        DTYPES,
+        False,
+        _rows_equal(1, np.linspace(-1, 1, 16)),  # the normalised row is 0, so y = bias
+    ),
+    ("rms_norm-zero-row-eps0", _rms_norm_zero_row, DTYPES, False, _rows_equal(1, 0.0)),
+    ("cross_entropy-logits-1e5", _cross_entropy_huge_logits, DTYPES, True, _ce_exact),
+    ("cross_entropy-empty-mask", _cross_entropy_empty_mask, DTYPES, False, _value(0.0, 0)),
+    # scores 79000 vs 78100: the gap of 900 makes the top-1 gate exactly 1
+    ("router-fp16-scores", _router_overflow, [F16], True, _rows_equal(slice(None), [1.0, 0.0])),
+    ("linear-fp16-output", _linear_overflow, [F16], False, _rows_equal(0, 65504.0)),
+]
+ADV_PARAMS = [
+    pytest.param(build, dt, fixes, check, id=f"{name}-{_ids(dt)}")
+    for name, build, dts, fixes, check in ADVERSARIAL
+    for dt in dts
+]
+
+
+def _with_grad(f, gear):
+    def loss(a):
+        y = f(a, gear).astype(F32)
+        w = jnp.cos(jnp.arange(y.size, dtype=F32)).reshape(y.shape)  # a generic cotangent
+        return jnp.sum(y * w)
+
+    return jit(lambda a: (f(a, gear), jax.grad(loss)(a)))
+
+
+@pytest.mark.parametrize("build, dt, stable_fixes, check", ADV_PARAMS)
+def test_adversarial(build, dt, stable_fixes, check):
+    args, f = build(dt)
+    fast = jit(lambda a: f(a, 0))(args)
+    assert not _finite(fast), "the fault must be real: FAST gives inf/NaN"
+    if stable_fixes:  # overflow: f32 accumulation already fixes it
+        assert _finite(_with_grad(f, 1)(args))
+    safe, safe_grad = _with_grad(f, 2)(args)
+    assert safe.dtype == fast.dtype
+    assert _finite(safe), "SAFE output must be finite"
+    assert _finite(safe_grad), "SAFE gradient must be finite"
+    if check is not None:
+        check(safe, dt)
+
+
+def test_safe_attention_beyond_f32_range():
+    """Range compression: logits past f32's max still give the exact softmax in SAFE."""
+    q = jnp.asarray([[[[1e20, 0.0]], [[-1e20, 0.0]]]], F32)  # [1, 2, 1, 2]
+    k = q
+    v = jnp.asarray([[[[1.0, 2.0]], [[3.0, 4.0]]]], F32)
+    f = jit(lambda q, k, v, g: ops.attention(q, k, v, gear=g, scale=1.0))
+    y = f(q, k, v, jnp.int32(2))
+    # logits: row 0 = [1e40, -1e40], row 1 = [-1e40, 1e40] -> one-hot on the diagonal
+    np.testing.assert_allclose(y[0, :, 0], [[1.0, 2.0], [3.0, 4.0]])
+    assert not _finite(f(q, k, v, jnp.int32(1)))
+
+
+# ---------------------------------------------------------------------------------------------
+# the gear as data
+
+
+def test_switching_gear_never_recompiles(count_compiles):
+    x = jnp.asarray(_rng(17).normal(size=(2, 5, 2, 4)), F32)
+    f = jit(lambda x, g: ops.attention(x, x, x, causal=True, gear=g))
+    gears = [jnp.int32(g) for g in (0, 1, 2, 1, 0)]
+    f(x, gears[0]).block_until_ready()
+    with count_compiles() as c:
+        outs = [f(x, g) for g in gears]
+        jax.block_until_ready(outs)
+    assert c.count == 0
+
+
+def test_python_int_gear_dispatches_directly():
+    x = jnp.ones((2, 3))
+    jaxpr = str(jax.make_jaxpr(lambda x: ops.softmax(x, gear=2))(x))
+    assert "cond" not in jaxpr and "custom_vjp" in jaxpr  # only the SAFE path was traced
+    jaxpr = str(jax.make_jaxpr(lambda x, g: ops.softmax(x, gear=g))(x, 0))
+    assert "cond[" in jaxpr
+
+
+@pytest.mark.parametrize("name", ["softmax", "layer_norm"])
+def test_python_and_traced_gears_agree(name):
+    x = jnp.asarray(_rng(18).normal(size=(2, 3, 2, 4)), F32)
+    call = {
+        "softmax": lambda g: ops.softmax(x, gear=g),
+        "layer_norm": lambda g: ops.layer_norm(x, None, None, 1e-6, gear=g),
+        "attention": lambda g: ops.attention(x, x, x, gear=g),
+    }[name]
+    traced = jit(call)
+    for g in GEARS:
+        direct = jit(functools.partial(call, g))()
+        np.testing.assert_allclose(direct, traced(jnp.int32(g)), rtol=1e-6, atol=1e-6)
+
+
+def test_bad_gears_raise():
+    x = jnp.ones((2, 3))
+    with pytest.raises(ValueError, match="gear must be one of"):
+        ops.softmax(x, gear=3)
+    with pytest.raises(ValueError, match="gear must be a scalar"):
+        jax.make_jaxpr(lambda g: ops.softmax(x, gear=g))(jnp.zeros((4,), jnp.int32))
+
+
+def test_vmap_behaviour():
+    """Unbatched gear under vmap: still a one-branch cond. Batched gear: select over all."""
+    x = jnp.ones((4, 3))
+    f = lambda x, g: ops.softmax(x, gear=g)
+    unbatched = str(jax.make_jaxpr(jax.vmap(f, in_axes=(0, None)))(x, jnp.int32(1)))
+    assert "cond[" in unbatched
+    batched = jax.make_jaxpr(jax.vmap(f))(x, jnp.zeros(4, jnp.int32))
+    top = [e.primitive.name for e in batched.eqns]
+    assert "cond" not in top and "select_n" in top  # all three computed, then selected
+    # the values are still per-element gears' results
+    g = jnp.asarray([0, 1, 2, 0], jnp.int32)
+    np.testing.assert_allclose(jit(jax.vmap(f))(x, g), jax.nn.softmax(x), rtol=1e-6)
+
+
+def test_return_stats():
+    x = jnp.asarray(_rng(19).normal(size=(2, 4, 2, 4)), F16)
+
+    @jit
+    def run(x, g):
+        _, st_attn = ops.attention(x, x, x, causal=True, gear=g, return_stats=True)
+        _, st_ln = ops.layer_norm(x, None, None, 1e-6, gear=g, return_stats=True)
+        c = jnp.ones((2, 8), F32)  # a degenerate row for eps=0
+        _, st_deg = ops.layer_norm(c, None, None, 0.0, gear=g, return_stats=True)
+        return st_attn, st_ln, st_deg
+
+    for g in GEARS:
+        st_attn, st_ln, st_deg = run(x, jnp.int32(g))
+        assert set(st_attn) == {"logits", "probs"} and st_attn["logits"].shape == (5,)
+        assert float(st_attn["probs"][3]) == 0.0  # no non-finite probabilities
+        assert st_ln["inv_std"].dtype == F32 and float(st_ln["inv_std"][0]) > 0
+        # the degenerate rows are visible in the FAST/STABLE probe (inf inverse std: 2 rows
+        # non-finite); SAFE defines them (inverse std 0, all finite)
+        assert float(st_deg["inv_std"][3]) == (0.0 if g == 2 else 2.0)
+
+
+def test_input_errors():
+    x = jnp.ones((2, 3, 2, 4))
+    with pytest.raises(ValueError, match="attention"):
+        ops.attention(x[0], x, x)
+    with pytest.raises(ValueError, match="kernel"):
+        ops.linear(jnp.ones((2, 3)), jnp.ones((4, 5)))
+    with pytest.raises(ValueError, match="top_k"):
+        ops.router(jnp.ones((2, 3)), jnp.ones((3, 4)), 5)
+    with pytest.raises(TypeError, match="labels"):
+        ops.cross_entropy(jnp.ones((2, 3)), jnp.ones((2,)))
