@@ -61,6 +61,10 @@ class TransformerConfig:
     num_experts: int = 0  # > 0: an MoE MLP with a Router in every block
     top_k: int = 2
     epsilon: float = 1e-6
+    # "self": a query always sees itself, so padding never makes a fully-masked row.
+    # "keys": the common key-padding mask alone; with causal attention and left padding a
+    # padding query sees only padding keys, its row is fully masked and FAST softmax is 0/0.
+    pad_mask: str = "self"
 
     def __post_init__(self):
         for name in ("num_layers", "d_model", "num_heads", "seq_len", "vocab"):
@@ -70,6 +74,8 @@ class TransformerConfig:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})"
             )
+        if self.pad_mask not in ("self", "keys"):
+            raise ValueError(f"pad_mask must be 'self' or 'keys', got {self.pad_mask!r}")
         if self.norm not in ("layer", "rms"):
             raise ValueError(f"norm must be 'layer' or 'rms', got {self.norm!r}")
         if self.num_experts and not 1 <= self.top_k <= self.num_experts:
@@ -147,19 +153,23 @@ class Block(nnx.Module):
         return x + self.mlp(self.ln2(x))
 
 
-def attention_mask(mask: jax.Array | None) -> jax.Array | None:
+def attention_mask(mask: jax.Array | None, pad_mask: str = "self") -> jax.Array | None:
     """Padding mask ``bool[B, T]`` (True = real token) -> attention mask ``bool[B, 1, T, T]``.
 
-    Keys that are padding are masked; every query also sees itself, so no row is fully masked
-    (a fully padded sequence stays finite in FAST; its loss is masked anyway). The causal part
-    is applied inside ``ops.attention`` (``is_causal=True``).
+    Keys that are padding are masked. With ``pad_mask="self"`` every query also sees itself,
+    so no row is fully masked (a fully padded sequence stays finite in FAST; its loss is
+    masked anyway). With ``pad_mask="keys"`` only keys are masked: under the causal mask a
+    left-padded sequence then has fully-masked rows (the write-up's 0/0). The causal part is
+    applied inside ``ops.attention`` (``is_causal=True``).
     """
     if mask is None:
         return None
     mask = jnp.asarray(mask, bool)
+    keys = mask[:, None, None, :]
+    if pad_mask == "keys":
+        return keys
     t = mask.shape[-1]
-    eye = jnp.eye(t, dtype=bool)
-    return mask[:, None, None, :] | eye[None, None]
+    return keys | jnp.eye(t, dtype=bool)[None, None]
 
 
 class Transformer(nnx.Module):
@@ -197,7 +207,7 @@ class Transformer(nnx.Module):
         if t > cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds seq_len={cfg.seq_len}")
         x = self.embed(tokens) + self.pos(jnp.arange(t))
-        amask = attention_mask(mask)
+        amask = attention_mask(mask, cfg.pad_mask)
 
         def run(block: Block, x: jax.Array, amask: jax.Array | None) -> jax.Array:
             return block(x, amask)

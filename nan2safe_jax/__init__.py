@@ -3,7 +3,7 @@
 Public surface (see DESIGN.md). ``import nan2safe_jax as nan2safe``.
 """
 
-from nan2safe_jax import detector, gear, nn, ops, optax, site
+from nan2safe_jax import detector, gear, nn, ops, optax, replay, site
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear, GearState
 from nan2safe_jax.site import Probe, SiteGear
@@ -24,6 +24,7 @@ __all__ = [
     "nn",
     "ops",
     "optax",
+    "replay",
     "site",
 ]
 __version__ = "0.1.0"

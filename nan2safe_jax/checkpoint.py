@@ -116,9 +116,7 @@ class Checkpointer:
 
     def restore(self, step: int, template):
         """Restores checkpoint ``step`` into the structure (and shardings) of ``template``."""
-        saved = self._manager.restore(
-            int(step), args=ocp.args.StandardRestore(_abstract(template))
-        )
+        saved = self._manager.restore(int(step), args=ocp.args.StandardRestore(_abstract(template)))
         return _from_saved(saved, template)
 
     def restore_latest(self, template, *, before: int | None = None):

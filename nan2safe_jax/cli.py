@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
+import runpy
 import sys
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[1]
 
 
 def _demo(args) -> int:
@@ -13,12 +18,78 @@ def _demo(args) -> int:
     return 0
 
 
+def _locate(args) -> int:
+    from nan2safe_jax import replay
+    from nan2safe_jax.supervisor import load_factory, load_incident
+    from nan2safe_jax.train import TrainState, make_train_step
+
+    workdir = Path(args.workdir)
+    run = json.loads((workdir / "run.json").read_text()) if (workdir / "run.json").exists() else {}
+    spec = args.factory or run.get("factory")
+    if not spec:
+        print(
+            f"{workdir} records no factory; pass --factory package.module:function "
+            "(returning model, tx, loss_fn, cfg) to rebuild the step",
+            file=sys.stderr,
+        )
+        return 2
+    sys.path.insert(0, str(Path.cwd()))
+    model, tx, loss_fn, cfg = load_factory(spec)()
+    template = TrainState.create(model, tx, cfg)
+    state, batch = load_incident(workdir, args.step, template)
+    step = make_train_step(loss_fn)
+    report = replay.locate_step(step.jitted, state, batch)
+    print(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_dict(), indent=1, default=str))
+    return 0
+
+
+def _report(args) -> int:
+    from nan2safe_jax import report
+
+    path = report.dashboard(args.workdir)
+    report.print_summary(args.workdir)
+    report.write_tensorboard(args.workdir)
+    print(f"dashboard: {path}")
+    return 0
+
+
+def _bench(args) -> int:
+    script = _REPO / "benchmarks" / f"{args.name}.py"
+    if not script.exists():
+        have = sorted(p.stem for p in (_REPO / "benchmarks").glob("*.py"))
+        print(f"no benchmark {args.name!r}; have {have}", file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *args.rest]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nan2safe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
     demo = sub.add_parser("demo", help="train a small fp16 model through a real numerical fault")
     demo.add_argument("--steps", type=int, default=160)
     demo.set_defaults(fn=_demo)
+
+    loc = sub.add_parser("locate", help="re-run localization offline for a saved incident")
+    loc.add_argument("workdir")
+    loc.add_argument("--step", type=int, required=True)
+    loc.add_argument("--factory", help="package.module:function -> (model, tx, loss_fn, cfg)")
+    loc.add_argument("--json", help="also write the report as JSON here")
+    loc.set_defaults(fn=_locate)
+
+    rep = sub.add_parser("report", help="write WORKDIR/dashboard.png and print a summary")
+    rep.add_argument("workdir")
+    rep.set_defaults(fn=_report)
+
+    bench = sub.add_parser("bench", help="run benchmarks/NAME.py with the given arguments")
+    bench.add_argument("name")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(fn=_bench)
+
     args = parser.parse_args(argv)
     return args.fn(args)
 

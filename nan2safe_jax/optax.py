@@ -35,17 +35,25 @@ def all_finite(tree) -> jax.Array:
 
 
 def global_norm(tree) -> jax.Array:
-    """f32[] L2 norm of all leaves, computed without overflow (scaled by the max magnitude).
+    """f32[] L2 norm of all leaves, in f32, without overflow.
 
-    ``optax.global_norm`` squares in the leaf dtype: an fp16 gradient of 300 squares past 65504.
+    One pass of f32 squares (``optax.global_norm`` squares in the leaf dtype: an fp16 gradient
+    of 300 squares past 65504). Only when that overflows f32 (norms past ~1e19) is the norm
+    recomputed with every leaf scaled by the largest magnitude; ``lax.cond`` runs that second
+    pass only then.
     """
     leaves = [jnp.asarray(x, jnp.float32) for x in jax.tree_util.tree_leaves(tree)]
     if not leaves:
         return jnp.zeros([], jnp.float32)
-    m = jnp.max(jnp.stack([jnp.max(jnp.abs(x), initial=0.0) for x in leaves]))
-    safe_m = jnp.where((m > 0) & jnp.isfinite(m), m, 1.0)
-    sq = sum(jnp.sum(jnp.square(x / safe_m)) for x in leaves)
-    return jnp.where(jnp.isfinite(m), safe_m * jnp.sqrt(sq), m)
+    sq = sum(jnp.sum(jnp.square(x)) for x in leaves)
+
+    def rescaled():
+        m = jnp.max(jnp.stack([jnp.max(jnp.abs(x), initial=0.0) for x in leaves]))
+        safe_m = jnp.where((m > 0) & jnp.isfinite(m), m, 1.0)
+        sq_m = sum(jnp.sum(jnp.square(x / safe_m)) for x in leaves)
+        return jnp.where(jnp.isfinite(m), safe_m * jnp.sqrt(sq_m), m)
+
+    return jax.lax.cond(jnp.isfinite(sq), lambda: jnp.sqrt(sq), rescaled)
 
 
 def select_tree(pred: jax.Array, on_true, on_false):
@@ -127,7 +135,8 @@ def geared_clip(
 ) -> optax.GradientTransformationExtraArgs:
     """Clips by global norm with a threshold that tightens as the gear drops.
 
-    The threshold is ``max_norm * factors[level]``. The norm is computed without overflow, and a
+    The threshold is ``max_norm * factors[level]``. The norm is computed without overflow (or
+    taken from the extra argument ``grad_norm`` when the caller has it already), and a
     non-finite norm scales the update to zero instead of turning it into NaN.
 
     Args:
@@ -142,12 +151,12 @@ def geared_clip(
         del params
         return GearedClipState(clipped=jnp.zeros([], jnp.int32))
 
-    def update_fn(updates, state, params=None, *, gear=None, **extra):
+    def update_fn(updates, state, params=None, *, gear=None, grad_norm=None, **extra):
         del params, extra
         if max_norm is None:
             return updates, state
         thr = max_norm * jnp.asarray(factors, jnp.float32)[jnp.clip(_level(gear), 0, 2)]
-        norm = global_norm(updates)
+        norm = global_norm(updates) if grad_norm is None else grad_norm
         ok = jnp.isfinite(norm)
         factor = jnp.where(ok, jnp.minimum(1.0, thr / jnp.maximum(norm, 1e-30)), 0.0)
         clipped = jax.tree_util.tree_map(

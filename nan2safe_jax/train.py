@@ -217,7 +217,7 @@ def train_step(
     new_gs = gear_lib.decide(gs, risk.risk, incident, cfg, calm=risk.calm)
 
     updates, opt_state = state.tx.update(
-        grads, state.opt_state, state.params, gear=new_gs, finite=finite
+        grads, state.opt_state, state.params, gear=new_gs, finite=finite, grad_norm=grad_norm
     )
     applied = optax_lib.apply_updates(state.params, updates)
     ok = finite & guard_lib.all_finite(applied)

@@ -60,3 +60,55 @@ def data(n, scale=None, seed=0, dtype=jnp.float32):
         x *= np.asarray(scale, np.float32)[:, None, None]
     y = np.sin(x.sum(-1, keepdims=True) / 4)
     return jnp.asarray(x, dtype), jnp.asarray(y, jnp.float32)
+
+
+class FragileBlock(nnx.Module):
+    """A site with a real degenerate case: LayerNorm with eps=0 turns a constant row into 0/0.
+
+    FAST/STABLE: ``(h - mean) / sqrt(var)``; SAFE: the variance is floored and a zero-variance
+    row normalises to 0 (what ``nan2safe.ops.layer_norm`` does in SAFE).
+    """
+
+    def __init__(self, d, *, rngs):
+        self.up = nnx.Linear(d, d, rngs=rngs)
+        self.gear = SiteGear(jnp.zeros((), jnp.int32))
+        self.site_name = "FragileBlock"
+        self.probe_out = Probe(jnp.zeros(detector.NUM_STATS, jnp.float32))
+
+    def __call__(self, x):
+        with site_scope(self.site_name):
+            mean = jnp.mean(x, -1, keepdims=True)
+            var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+
+            def fast(x):
+                return (x - mean) / jnp.sqrt(var)
+
+            def safe(x):
+                ok = var > 0
+                inv = jnp.where(ok, 1.0 / jnp.sqrt(jnp.where(ok, var, 1.0)), 0.0)
+                return (x - mean) * inv
+
+            y = jax.lax.switch(jnp.clip(self.gear[...], 0, 2), [fast, fast, safe], x)
+            self.probe_out[...] = detector.stats(y)
+            return self.up(y)
+
+
+class FragileNet(nnx.Module):
+    def __init__(self, *, rngs):
+        self.blocks = nnx.List([FragileBlock(D, rngs=rngs), FragileBlock(D, rngs=rngs)])
+        self.head = nnx.Linear(D, 1, rngs=rngs)
+
+    def __call__(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+def make_fragile():
+    """Factory for ``nan2safe locate --factory tiny_models:make_fragile``."""
+    import optax
+
+    from nan2safe_jax import Config
+
+    cfg = Config(checkpoint_every=5, safe_max_steps=3, recovery_window=8, min_history=8)
+    return FragileNet(rngs=nnx.Rngs(0)), optax.adam(1e-2), loss_fn, cfg

@@ -1,0 +1,167 @@
+"""Tier-1 overhead: a plain optax + NNX train step vs the same model through make_train_step.
+
+Both arms train the demo-size decoder (4 layers, d_model 256, seq 128, batch 8, vocab 256):
+  plain    — the transformer written with flax.nnx modules, optax.adamw, one jax.jit step;
+  nan2safe — examples.transformer (nan2safe.nn sites, probes on) through make_train_step with
+             guard(optax.adamw) in FAST: loss scale, geared clip, skip-non-finite, detector.
+Variants are interleaved over rounds so machine drift hits both alike; each round times
+``--steps`` steps after a warm-up. Prints min/median/max per arm and the median ratio.
+
+    python benchmarks/overhead.py [--rounds 5] [--steps 10] [--json PATH] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import nan2safe_jax as nan2safe  # noqa: E402
+from examples.transformer import Transformer, TransformerConfig, lm_loss, make_batch  # noqa: E402
+
+
+class PlainBlock(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, *, rngs):
+        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+        self.ln1 = nnx.LayerNorm(cfg.d_model, epsilon=cfg.epsilon, **kw)
+        self.attn = nnx.MultiHeadAttention(cfg.num_heads, cfg.d_model, decode=False, **kw)
+        self.ln2 = nnx.LayerNorm(cfg.d_model, epsilon=cfg.epsilon, **kw)
+        self.fc1 = nnx.Linear(cfg.d_model, cfg.ff, **kw)
+        self.fc2 = nnx.Linear(cfg.ff, cfg.d_model, **kw)
+
+    def __call__(self, x, mask):
+        x = x + self.attn(self.ln1(x), mask=mask, deterministic=True)
+        return x + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x))))
+
+
+class PlainTransformer(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, *, rngs):
+        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+        self.embed = nnx.Embed(cfg.vocab, cfg.d_model, **kw)
+        self.pos = nnx.Embed(cfg.seq_len, cfg.d_model, **kw)
+        self.blocks = nnx.List([PlainBlock(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.norm = nnx.LayerNorm(cfg.d_model, epsilon=cfg.epsilon, **kw)
+        self.head = nnx.Linear(cfg.d_model, cfg.vocab, **kw)
+
+    def __call__(self, tokens, mask):
+        t = tokens.shape[-1]
+        x = self.embed(tokens) + self.pos(jnp.arange(t))
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        amask = (mask[:, None, None, :] | jnp.eye(t, dtype=bool)) & causal
+        for block in self.blocks:
+            x = block(x, amask)
+        return self.head(self.norm(x))
+
+
+def plain_loss(model, batch):
+    tokens, mask = batch["tokens"], batch["mask"]
+    logits = model(tokens, mask)[:, :-1].astype(jnp.float32)
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    w = mask[:, 1:].astype(jnp.float32)
+    return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def make_plain(cfg, tx):
+    model = PlainTransformer(cfg, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, rest, batch):
+        def f(p):
+            return plain_loss(nnx.merge(graphdef, p, rest), batch)
+
+        loss, grads = jax.value_and_grad(f)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    carry = [params, opt_state]
+
+    def run(batch):
+        carry[0], carry[1], loss = step(carry[0], carry[1], rest, batch)
+        return loss
+
+    return run
+
+
+def make_n2s(cfg, tx):
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    state = nan2safe.TrainState.create(model, nan2safe.optax.guard(tx), nan2safe.Config())
+    step = nan2safe.make_train_step(lm_loss)
+    carry = [state]
+
+    def run(batch):
+        carry[0], m = step(carry[0], batch)
+        return m["loss"]
+
+    return run
+
+
+def time_steps(run, batches, steps):
+    t0 = time.perf_counter()
+    loss = None
+    for i in range(steps):
+        loss = run(batches[i % len(batches)])
+    jax.block_until_ready(loss)
+    return (time.perf_counter() - t0) / steps
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+
+    cfg = TransformerConfig(
+        num_layers=args.layers, d_model=args.d_model, dtype=jnp.dtype(args.dtype)
+    )
+    tx = optax.adamw(3e-4)
+    batches = [make_batch(jax.random.key(i), cfg, 8) for i in range(4)]
+    arms = {"plain": make_plain(cfg, tx), "nan2safe": make_n2s(cfg, tx)}
+    for run in arms.values():  # compile and warm up
+        time_steps(run, batches, 3)
+    times = {k: [] for k in arms}
+    for _ in range(args.rounds):
+        for name, run in arms.items():
+            times[name].append(time_steps(run, batches, args.steps))
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = med["nan2safe"] / med["plain"]
+    print(f"backend {jax.default_backend()}  devices {jax.device_count()}  dtype {args.dtype}")
+    print(f"model: {args.layers} layers, d_model {args.d_model}, seq {cfg.seq_len}, batch 8")
+    print(f"{'arm':<10} {'min ms':>9} {'median ms':>10} {'max ms':>9}")
+    for k, v in times.items():
+        print(f"{k:<10} {min(v) * 1e3:9.2f} {med[k] * 1e3:10.2f} {max(v) * 1e3:9.2f}")
+    print(f"ratio nan2safe / plain (median): {ratio:.3f}x")
+    record = {
+        "ratio": ratio,
+        "median_s": med,
+        "times_s": times,
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
+        "dtype": args.dtype,
+        "backend": jax.default_backend(),
+        "devices": jax.device_count(),
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=1))
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Every JAX-internal name the replay localizer touches, in one place.
+
+The localizer walks jaxprs equation by equation, which has no fully public API: it needs the
+jaxpr classes (``jax.extend.core``), ``Primitive.bind`` with the equation's bind parameters (what
+``jax._src.core.eval_jaxpr`` does), the source info of each equation (``jax._src.source_info_util``)
+and the parameter layout of the control-flow primitives. A JAX upgrade should only touch this file.
+Tested on jax 0.10.x; written to also accept the 0.11 spellings noted inline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+try:  # public since jax 0.4.3x
+    from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
+except ImportError:  # pragma: no cover - older/newer layouts
+    from jax._src.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var  # type: ignore
+
+from jax._src import source_info_util as _siu
+
+__all__ = [
+    "CALL_PRIMITIVES",
+    "ClosedJaxpr",
+    "Jaxpr",
+    "JaxprEqn",
+    "Literal",
+    "Var",
+    "bind_eqn",
+    "call_body",
+    "cond_branches",
+    "empty_name_stack",
+    "eqn_name_stack",
+    "eqn_user_source",
+    "is_literal",
+    "jit_with_options",
+    "literal_value",
+    "open_jaxpr",
+    "scan_params",
+    "while_params",
+]
+
+# Higher-order primitives that simply call a jaxpr once with their operands (after ``num_consts``
+# leading constants, which are ordinary operands here). Evaluating the inner jaxpr gives the same
+# primal values, so the localizer inlines them. Names across versions: ``pjit`` became ``jit``
+# (0.7), ``checkpoint``/``remat2`` (remat), ``custom_vjp_call_jaxpr`` became ``custom_vjp_call``.
+CALL_PRIMITIVES = frozenset(
+    {
+        "jit",
+        "pjit",
+        "closed_call",
+        "core_call",
+        "call",
+        "remat2",
+        "checkpoint",
+        "remat",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "custom_lin",
+    }
+)
+_CALL_JAXPR_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+def open_jaxpr(j: Any) -> tuple[Any, Sequence[Any]]:
+    """``(Jaxpr, consts)`` of a ClosedJaxpr or of an open Jaxpr (no consts)."""
+    if isinstance(j, ClosedJaxpr) or (hasattr(j, "jaxpr") and hasattr(j, "consts")):
+        return j.jaxpr, list(j.consts)
+    return j, []
+
+
+def call_body(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
+    """The ``(Jaxpr, consts)`` a call-like equation evaluates, or None if it is not call-like."""
+    if eqn.primitive.name not in CALL_PRIMITIVES:
+        return None
+    for key in _CALL_JAXPR_KEYS:
+        j = eqn.params.get(key)
+        if j is not None and (hasattr(j, "eqns") or hasattr(j, "jaxpr")):
+            jaxpr, consts = open_jaxpr(j)
+            if len(jaxpr.invars) == len(eqn.invars):
+                return jaxpr, consts
+    return None
+
+
+def scan_params(eqn: Any) -> dict[str, Any]:
+    """Normalized parameters of a ``scan`` equation."""
+    p = eqn.params
+    jaxpr, consts = open_jaxpr(p["jaxpr"])
+    return dict(
+        jaxpr=jaxpr,
+        consts=consts,
+        num_consts=p["num_consts"],
+        num_carry=p["num_carry"],
+        length=p["length"],
+        reverse=p.get("reverse", False),
+        unroll=p.get("unroll", 1),
+    )
+
+
+def while_params(eqn: Any) -> dict[str, Any]:
+    """Normalized parameters of a ``while`` equation."""
+    p = eqn.params
+    cj, cc = open_jaxpr(p["cond_jaxpr"])
+    bj, bc = open_jaxpr(p["body_jaxpr"])
+    return dict(
+        cond_jaxpr=cj,
+        cond_consts=cc,
+        body_jaxpr=bj,
+        body_consts=bc,
+        cond_nconsts=p["cond_nconsts"],
+        body_nconsts=p["body_nconsts"],
+    )
+
+
+def cond_branches(eqn: Any) -> list[tuple[Any, Sequence[Any]]]:
+    """``[(Jaxpr, consts)]`` of each branch of a ``cond`` equation (index is operand 0)."""
+    return [open_jaxpr(b) for b in eqn.params["branches"]]
+
+
+def is_literal(atom: Any) -> bool:
+    return isinstance(atom, Literal)
+
+
+def literal_value(atom: Any) -> Any:
+    return atom.val
+
+
+def empty_name_stack() -> Any:
+    return _siu.new_name_stack()
+
+
+def eqn_name_stack(eqn: Any, outer: Any) -> Any:
+    """The full name stack of ``eqn`` when its jaxpr is called under name stack ``outer``."""
+    return outer + eqn.source_info.name_stack
+
+
+def eqn_user_source(eqn: Any) -> str | None:
+    """``"file.py:LINE"`` of the innermost non-JAX frame that traced ``eqn``, or None."""
+    tb = eqn.source_info.traceback
+    if tb is None:
+        return None
+    frame = _siu.user_frame(tb)
+    if frame is None:
+        return None
+    return f"{frame.file_name}:{frame.start_line}"
+
+
+def bind_eqn(eqn: Any, invals: Sequence[Any], name_stack: Any) -> list[Any]:
+    """Applies ``eqn``'s primitive to ``invals``, as ``jax._src.core.eval_jaxpr`` does."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns: Sequence[Any] = ()
+    if isinstance(params, tuple):  # jax < 0.5: (subfuns, bind_params)
+        subfuns, params = params
+    ctx = getattr(eqn, "ctx", None)
+    manager = ctx.manager if ctx is not None else contextlib.nullcontext()
+    with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), manager:
+        ans = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+def jit_with_options(fn: Any, compiler_options: dict[str, Any] | None) -> Any:
+    """``jax.jit`` with XLA compiler options when given (``jax.jit(compiler_options=...)``)."""
+    if compiler_options:
+        return jax.jit(fn, compiler_options=compiler_options)
+    return jax.jit(fn)

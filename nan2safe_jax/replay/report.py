@@ -1,0 +1,311 @@
+"""The localizer's result: which equation made the first non-finite value, where, and why.
+
+Statistics, the channel scan and the diagnosis are computed on the host with NumPy from the values
+the last replay captured (the culprit's inputs and outputs only), so they cost no compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+DIAGNOSES = ("overflow", "0/0", "division by ~0", "log/sqrt domain", "polluted input", "other")
+NOT_REPRODUCIBLE = "not reproducible: suspect hardware or non-determinism"
+
+# Primitives whose non-finite result from finite inputs means "argument outside the domain".
+_DOMAIN_PRIMS = frozenset(
+    {"log", "log1p", "sqrt", "rsqrt", "pow", "acos", "asin", "atanh", "acosh", "lgamma", "digamma"}
+    | {"igamma", "igammac", "erf_inv", "cbrt", "logistic"}
+)
+# Primitives whose NaN from finite inputs comes from an overflowed intermediate.
+_ARITH_PRIMS = frozenset(
+    {"add", "sub", "mul", "dot_general", "reduce_sum", "cumsum", "conv_general_dilated", "exp"}
+    | {"exp2", "expm1", "add_any", "reduce_precision", "convert_element_type", "tanh", "logistic"}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class EqnRef:
+    """A short record of one equation (used for ``Report.first_nan``)."""
+
+    primitive: str
+    source: str | None
+    name_stack: str
+    site: str | None
+    direction: str
+    eqn_path: tuple
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["eqn_path"] = _path_to_json(self.eqn_path)
+        return d
+
+    def __str__(self) -> str:
+        return (
+            f"{self.primitive} at {self.source} [{self.direction}] path={_path_str(self.eqn_path)}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """Where the first non-finite value of a program came from.
+
+    Attributes:
+      primitive: name of the culprit primitive (``"div"``, ``"dot_general"``); None when an input
+        argument was already non-finite (``diagnosis == "polluted input"``) or when the replay did
+        not reproduce any non-finite value.
+      source: ``"file.py:LINE"`` of the innermost non-JAX frame that traced the equation.
+      name_stack: the equation's full name stack (``jvp(...)``, ``transpose(...)``, named scopes).
+      site: the nan2safe site named in the name stack (``nan2safe[<site>]``), or None.
+      direction: ``"backward"`` if the name stack contains a ``transpose(`` (the equation was
+        emitted while transposing, i.e. it computes cotangents), else ``"forward"``.
+      kind: ``"inf"`` or ``"nan"`` — what the culprit's output holds (``"nan"`` if both).
+      first_nan: when ``kind == "inf"``, the first equation that produced a NaN from NaN-free
+        inputs (often the ``inf - inf`` after an overflow), else None.
+      eqn_path: equation indices from the top-level jaxpr down to the culprit; entering a sub-jaxpr
+        appends its index, a loop iteration appends ``("iter", t)`` (t indexes the scanned axis /
+        counts while-iterations), a ``cond`` appends ``("branch", b)``.
+      inputs: per-input statistics (shape, dtype, min, max, max_abs, min_abs, nonfinite, literal).
+      channels: ``{axis: sorted indices along that axis holding non-finite output values}``.
+      diagnosis: one of ``DIAGNOSES`` (or ``NOT_REPRODUCIBLE``).
+      explanation: a human sentence with the numbers behind the diagnosis.
+      replays: number of jitted segment evaluations this localization ran.
+      seconds: wall time of the localization, including every compile.
+      reproducible: False when the replay produced no non-finite value at all (``locate_step``).
+      input_path: for ``"polluted input"``, the ``jax.tree_util.keystr`` of the first bad argument.
+    """
+
+    primitive: str | None
+    source: str | None
+    name_stack: str
+    site: str | None
+    direction: str
+    kind: str | None
+    first_nan: EqnRef | None
+    eqn_path: tuple
+    inputs: list[dict[str, Any]]
+    channels: dict[int, list[int]]
+    diagnosis: str
+    explanation: str
+    replays: int
+    seconds: float
+    reproducible: bool = True
+    input_path: str | None = None
+    output_shape: tuple[int, ...] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict (``json.dumps(report.to_dict())`` works)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["eqn_path"] = _path_to_json(self.eqn_path)
+        d["first_nan"] = self.first_nan.to_dict() if self.first_nan else None
+        d["channels"] = {str(k): [int(i) for i in v] for k, v in self.channels.items()}
+        d["inputs"] = [_json_safe(s) for s in self.inputs]
+        d["output_shape"] = list(self.output_shape) if self.output_shape is not None else None
+        return json.loads(json.dumps(d, default=_json_default))
+
+    def __str__(self) -> str:
+        lines = []
+        if self.diagnosis == "polluted input":
+            lines.append(f"polluted input: argument {self.input_path} holds {self.kind} values")
+        elif not self.reproducible:
+            lines.append(self.diagnosis)
+        else:
+            lines.append(
+                f"{self.kind} first produced by `{self.primitive}` ({self.direction}) "
+                f"at {self.source}"
+            )
+            lines.append(f"  name stack: {self.name_stack or '-'}   site: {self.site or '-'}")
+            lines.append(f"  eqn path: {_path_str(self.eqn_path)}")
+            for i, s in enumerate(self.inputs):
+                lines.append(f"  input {i}: {_stats_str(s)}")
+            if self.output_shape is not None:
+                lines.append(f"  output {self.output_shape}: non-finite at")
+                for ax, idx in self.channels.items():
+                    lines.append(f"    axis {ax}: {_abbrev(idx)}")
+            if self.first_nan is not None:
+                lines.append(f"  first NaN: {self.first_nan}")
+            lines.append(f"  diagnosis: {self.diagnosis} — {self.explanation}")
+        lines.append(f"  ({self.replays} replays, {self.seconds:.2f} s)")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics, channels, diagnosis (host side)
+
+
+def direction_of(name_stack: str) -> str:
+    """``"backward"`` when the equation was emitted by transposition (cotangent computation)."""
+    return "backward" if "transpose(" in name_stack else "forward"
+
+
+def _as_np(x: Any) -> np.ndarray:
+    a = np.asarray(x)
+    if a.dtype.kind == "V" or a.dtype.name in ("bfloat16",) or a.dtype.kind == "f":
+        try:
+            return a.astype(np.float64)
+        except (TypeError, ValueError):
+            return a
+    return a
+
+
+def _is_inexact(x: Any) -> bool:
+    try:
+        return np.issubdtype(np.asarray(x).dtype, np.inexact) or "float" in str(np.asarray(x).dtype)
+    except TypeError:
+        return False
+
+
+def array_stats(x: Any, literal: bool = False) -> dict[str, Any]:
+    """Shape, dtype, min, max, max_abs, min_abs and count of non-finite elements of ``x``."""
+    try:
+        raw = np.asarray(x)
+    except TypeError:  # e.g. a PRNG key array (extended dtype): no numeric statistics
+        return {"shape": list(np.shape(x)), "dtype": str(x.dtype), "literal": literal}
+    out: dict[str, Any] = {"shape": list(raw.shape), "dtype": str(raw.dtype), "literal": literal}
+    if raw.size == 0 or raw.dtype.kind in "biuV" and not _is_inexact(raw):
+        out.update(min=None, max=None, max_abs=None, min_abs=None, nonfinite=0)
+        if raw.size and raw.dtype.kind in "biu":
+            out.update(min=float(raw.min()), max=float(raw.max()))
+        return out
+    a = _as_np(raw)
+    fin = np.isfinite(a)
+    out["nonfinite"] = int(a.size - fin.sum())
+    out["nan"] = int(np.isnan(a).sum())
+    if fin.any():
+        f = a[fin]
+        out.update(
+            min=float(f.min()),
+            max=float(f.max()),
+            max_abs=float(np.abs(f).max()),
+            min_abs=float(np.abs(f).min()),
+        )
+    else:
+        out.update(min=None, max=None, max_abs=None, min_abs=None)
+    return out
+
+
+def channels_of(x: Any, nan_only: bool = False) -> dict[int, list[int]]:
+    """``{axis: sorted indices along axis holding a non-finite (or NaN) value}`` of ``x``."""
+    a = _as_np(np.asarray(x))
+    bad = np.isnan(a) if nan_only else ~np.isfinite(a)
+    chans: dict[int, list[int]] = {}
+    for ax in range(bad.ndim):
+        other = tuple(i for i in range(bad.ndim) if i != ax)
+        hit = bad.any(axis=other) if other else bad
+        chans[ax] = [int(i) for i in np.nonzero(hit)[0]]
+    return chans
+
+
+def _finfo_max(dtype: str) -> float | None:
+    try:
+        import jax.numpy as jnp
+
+        return float(jnp.finfo(dtype).max)
+    except Exception:  # noqa: BLE001 - non-float dtype
+        return None
+
+
+def diagnose(
+    primitive: str, invals: Sequence[Any], out: Any, kind: str, in_stats: Sequence[dict]
+) -> tuple[str, str]:
+    """Classifies why ``primitive`` turned finite ``invals`` into a non-finite ``out``."""
+    out_np = _as_np(np.asarray(out))
+    dtype = str(np.asarray(out).dtype)
+    fmax = _finfo_max(dtype)
+    max_in = max((s["max_abs"] or 0.0 for s in in_stats if s.get("max_abs") is not None), default=0)
+    bad = ~np.isfinite(out_np)
+    where = "nan" if kind == "nan" else "inf"
+    n_bad = int(bad.sum())
+
+    if primitive == "div" and len(invals) == 2:
+        num = _broadcast(invals[0], out_np.shape)
+        den = _broadcast(invals[1], out_np.shape)
+        if num is not None and den is not None:
+            nan = np.isnan(out_np)
+            zz = nan & (num == 0) & (den == 0)
+            if zz.any():
+                return "0/0", (
+                    f"{int(zz.sum())} of {n_bad} non-finite outputs are 0/0 (numerator and "
+                    "denominator both zero, e.g. a fully masked softmax row)"
+                )
+            if kind == "inf" and bad.any():
+                d = np.abs(den[bad])
+                return "division by ~0", (
+                    f"{n_bad} outputs divide by |denominator| <= {float(d.max()):.3g} "
+                    f"(numerator up to {float(np.abs(num[bad]).max()):.3g})"
+                )
+    if primitive in ("rsqrt",) and kind == "inf":
+        return "division by ~0", (
+            f"rsqrt of {n_bad} value(s) at or near zero "
+            f"(min |input| = {in_stats[0]['min_abs']:.3g}); e.g. a variance of 0 with eps=0"
+        )
+    if primitive in _DOMAIN_PRIMS:
+        lo = in_stats[0].get("min") if in_stats else None
+        return "log/sqrt domain", (
+            f"{primitive} outside its domain on {n_bad} element(s) (min input = {lo!r})"
+        )
+    if primitive == "integer_pow" and kind == "inf" and (in_stats[0].get("min_abs") or 1.0) < 1e-6:
+        return "division by ~0", f"negative power of a value near 0 on {n_bad} element(s)"
+    share = f" ({100 * max_in / fmax:.3g}% of the max)" if fmax else ""
+    if kind == "inf":
+        return "overflow", (
+            f"{n_bad} result(s) exceed the {dtype} range (max {fmax:.6g}); "
+            f"max |input| = {max_in:.6g}{share}"
+        )
+    if primitive in _ARITH_PRIMS:
+        return "overflow", (
+            f"an intermediate inside {primitive} overflowed (inf - inf or 0 * inf) and gave "
+            f"{n_bad} NaN(s); max |input| = {max_in:.6g}{share}"
+        )
+    return "other", f"{primitive} produced {n_bad} {where} value(s) from finite inputs"
+
+
+def _broadcast(x: Any, shape: tuple[int, ...]) -> np.ndarray | None:
+    try:
+        return np.broadcast_to(_as_np(np.asarray(x)), shape)
+    except ValueError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# formatting
+
+
+def _path_to_json(path: tuple) -> list:
+    return [list(p) if isinstance(p, tuple) else p for p in path]
+
+
+def _path_str(path: tuple) -> str:
+    return "/".join(f"{p[0]}={p[1]}" if isinstance(p, tuple) else str(p) for p in path) or "-"
+
+
+def _abbrev(idx: list[int], n: int = 12) -> str:
+    if len(idx) <= n:
+        return str(idx)
+    return f"{idx[: n // 2]} ... {idx[-n // 2 :]} ({len(idx)} indices)"
+
+
+def _stats_str(s: dict) -> str:
+    tag = " (literal)" if s.get("literal") else ""
+    if s.get("max_abs") is None:
+        return f"{s['dtype']}{s['shape']}{tag}, nonfinite={s.get('nonfinite', 0)}"
+    return (
+        f"{s['dtype']}{s['shape']}{tag} min={s['min']:.4g} max={s['max']:.4g} "
+        f"max|x|={s['max_abs']:.4g} min|x|={s['min_abs']:.4g} nonfinite={s['nonfinite']}"
+    )
+
+
+def _json_safe(d: dict) -> dict:
+    return {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in d.items()}
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, tuple):
+        return list(o)
+    return str(o)

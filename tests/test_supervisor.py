@@ -1,0 +1,218 @@
+"""Trainer: both tiers end to end, checkpoints, events, bad input, resume after SIGKILL."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from tiny_models import FragileNet, Net, data, loss_fn, make_fragile
+
+from nan2safe_jax import Config, Gear, Trainer, cli
+from nan2safe_jax.report import read_events, read_metrics
+from nan2safe_jax.supervisor import NanIncidentError
+
+CFG = Config(checkpoint_every=5, safe_max_steps=3, recovery_window=8, min_history=8)
+
+
+def _batches(n, bad=None, seed=0):
+    x, y = data(n, seed=seed)
+    out = [(x[i], y[i]) for i in range(n)]
+    for k, kind in (bad or {}).items():
+        xk = np.array(out[k][0])
+        if kind == "constant_row":
+            xk[3, :] = 1.5  # one row of identical features: zero variance
+        elif kind == "nan":
+            xk[0, 2] = np.nan
+        out[k] = (jnp.asarray(xk), out[k][1])
+    return out
+
+
+def _types(events):
+    return [e["type"] for e in events]
+
+
+def test_clean_run_checkpoints_and_logs(tmp_path):
+    tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
+    hist = tr.fit(_batches(12), steps=12)
+    assert len(hist) == 12 and all(np.isfinite(h["loss"]) for h in hist)
+    assert [e["step"] for e in tr.events if e["type"] == "checkpoint"] == [5, 10]
+    assert tr.checkpoints.steps() == [5, 10]
+    assert len(read_metrics(tmp_path / "run")) == 12
+    assert int(tr.state.step) == 12
+
+
+def test_fault_is_located_put_in_safe_and_recovers(tmp_path):
+    batches = _batches(30, bad={8: "constant_row", 9: "constant_row"})
+    model, tx, loss, cfg = make_fragile()
+    tr = Trainer(model, tx, loss, cfg, tmp_path / "run", factory="tiny_models:make_fragile")
+    hist = tr.fit(batches, steps=30)
+    ev = tr.events
+    locate = [e for e in ev if e["type"] == "locate"]
+    assert locate, _types(ev)
+    rep = locate[0]["report"]
+    assert locate[0]["step"] == 8
+    assert rep["site"] == "blocks.0"
+    assert rep["primitive"] in ("div", "sqrt", "rsqrt")
+    assert rep["kind"] == "nan" and rep["direction"] == "forward"
+    assert 3 in rep["channels"]["0"]  # the constant row
+    enter = [e for e in ev if e["type"] == "safe_enter"]
+    assert enter and enter[0]["site"] == "blocks.0"
+    # Step 9 repeats the fault, but the site is in SAFE now: finite, not skipped.
+    assert hist[9]["finite"] and not hist[9]["skipped"]
+    assert any(e["type"] == "safe_exit" and e["site"] == "blocks.0" for e in ev)
+    order = _types(ev)
+    assert order.index("skip") < order.index("locate") < order.index("safe_enter")
+    assert order.index("safe_enter") < order.index("safe_exit")
+    assert np.isfinite(hist[-1]["loss"]) and hist[-1]["loss"] < hist[0]["loss"]
+    assert (tmp_path / "run" / "incidents" / "step_8" / "batch.npz").exists()
+
+    # Offline: `nan2safe locate WORKDIR --step 8` rebuilds the step from the recorded factory.
+    out = tmp_path / "offline.json"
+    assert cli.main(["locate", str(tmp_path / "run"), "--step", "8", "--json", str(out)]) == 0
+    offline = json.loads(out.read_text())
+    assert (offline["primitive"], offline["site"]) == (rep["primitive"], rep["site"])
+    assert offline["source"] == rep["source"]
+
+    # `nan2safe report WORKDIR`: the dashboard of this run.
+    assert cli.main(["report", str(tmp_path / "run")]) == 0
+    png = tmp_path / "run" / "dashboard.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_nan_in_the_data_is_reported_as_data(tmp_path):
+    tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
+    tr.fit(_batches(6, bad={2: "nan"}), steps=6)
+    ev = tr.events
+    polluted = [e for e in ev if e["type"] == "polluted_input"]
+    assert polluted and polluted[0]["step"] == 2
+    assert "batch" in polluted[0]["report"]["argument"]
+    assert not any(e["type"] == "locate" for e in ev)
+
+
+def test_nonfinite_state_is_never_checkpointed(tmp_path):
+    tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
+    tr.fit(_batches(5), steps=5)
+    assert tr.checkpoints.steps() == [5]
+    bad_params = jax_tree_nan(tr.state.params)
+    tr.state = tr.state.replace(params=bad_params)
+    tr.cfg = tr.cfg  # the forced state keeps training: every step is non-finite
+    with pytest.raises(NanIncidentError):
+        tr.fit(_batches(20), steps=20)
+    assert tr.checkpoints.steps() == [5]
+
+
+def jax_tree_nan(tree):
+    import jax
+
+    return jax.tree_util.tree_map(lambda p: jnp.full_like(p, jnp.nan), tree)
+
+
+def test_max_incidents_stops_with_the_last_report(tmp_path):
+    cfg = CFG.replace(max_incidents=2)
+    bad = {k: "constant_row" for k in range(0, 12)}
+    tr = Trainer(FragileNet(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, cfg, tmp_path / "r")
+    tr.state = tr.state.replace(gear=tr.state.gear)  # FAST everywhere
+    with pytest.raises(NanIncidentError) as info:
+        tr.fit(_batches(12, bad=bad), steps=12)
+    assert info.value.report is not None
+
+
+def test_bad_workdir_and_bad_loss_are_clear_errors(tmp_path):
+    (tmp_path / "file").write_text("x")
+    for wd in (tmp_path / "file", tmp_path / "file" / "sub"):
+        with pytest.raises(ValueError, match="workdir"):
+            Trainer(Net(rngs=nnx.Rngs(0)), optax.sgd(0.1), loss_fn, CFG, wd)
+    with pytest.raises(ValueError, match="workdir"):
+        Trainer(Net(rngs=nnx.Rngs(0)), optax.sgd(0.1), loss_fn, CFG, None)
+    tr = Trainer(
+        Net(rngs=nnx.Rngs(0)),
+        optax.sgd(0.1),
+        lambda m, b: m(b[0]).astype(jnp.float32),
+        CFG,
+        tmp_path / "ok",
+    )
+    with pytest.raises(ValueError, match="scalar"):
+        tr.fit(_batches(2), steps=2)
+    with pytest.raises(ValueError, match="steps"):
+        tr.fit(_batches(2), steps=-1)
+
+
+_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    import optax
+    from flax import nnx
+    from nan2safe_jax import Config, Gear, Trainer, gear
+    from tiny_models import Net, data, loss_fn
+
+    cfg = Config(checkpoint_every=4, recovery_window=10_000)
+    tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, cfg, {workdir!r})
+    if tr.step == 0:
+        tr.state = tr.state.replace(gear=gear.set_level(tr.state.gear, Gear.STABLE))
+    x, y = data(8)
+
+    def forever():
+        i = 0
+        while True:
+            yield (x[i % 8], y[i % 8])
+            i += 1
+            time.sleep(0.05)
+
+    print("START", tr.step, flush=True)
+    tr.fit(forever(), steps={steps})
+    print("DONE", tr.step, int(tr.state.gear.level), flush=True)
+    """
+)
+
+
+def test_sigkill_mid_run_resumes_from_the_last_complete_checkpoint(tmp_path):
+    workdir = tmp_path / "run"
+    tests = str(Path(__file__).parent)
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD.format(tests=tests, workdir=str(workdir), steps=10_000))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE)
+    deadline = time.time() + 120
+    ckpts = workdir / "checkpoints"
+    while time.time() < deadline:
+        done = [
+            p for p in ckpts.glob("*") if p.name.isdigit() and (p / "_CHECKPOINT_METADATA").exists()
+        ]
+        if len(done) >= 2:
+            break
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert len(done) >= 2, "the child never wrote two checkpoints"
+
+    # Damage the newest checkpoint on purpose: resume must skip it with a warning.
+    steps = sorted(int(p.name) for p in ckpts.glob("*") if p.name.isdigit())
+    newest = ckpts / str(steps[-1])
+    for root, _, files in os.walk(newest):
+        for f in files:
+            open(os.path.join(root, f), "w").close()
+
+    script.write_text(_CHILD.format(tests=tests, workdir=str(workdir), steps=3))
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    start = [line for line in out.stdout.splitlines() if line.startswith("START")][0]
+    resumed_from = int(start.split()[1])
+    assert resumed_from in steps[:-1] and resumed_from > 0
+    assert "incomplete or corrupt" in out.stderr
+    done_line = [line for line in out.stdout.splitlines() if line.startswith("DONE")][0]
+    assert int(done_line.split()[2]) == Gear.STABLE  # the gear state came back with it
+    resume = [e for e in read_events(workdir) if e["type"] == "resume"]
+    assert resume and resume[-1]["from_step"] == resumed_from
+    json.dumps(resume)
