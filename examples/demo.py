@@ -43,7 +43,7 @@ from nan2safe_jax import report as report_lib  # noqa: E402
 STEPS = 240
 SPIKE = 70  # first step of the q·k scale growth
 SPIKE_UP, SPIKE_HOLD, SPIKE_DOWN = 24, 10, 16
-SPIKE_RATE = 1.35
+SPIKE_RATE = 1.5
 LEFT_PADDED = (150,)
 GEARS = ("FAST", "STABLE", "SAFE")
 MODEL = TransformerConfig(

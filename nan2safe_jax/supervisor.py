@@ -316,7 +316,7 @@ class Trainer:
         action, enter = self._downshift_site(report, after)
         self.log.append("locate", step_no, report=rd, action=action)
         self.log.append("safe_enter", step_no, **enter)
-        log.warning("step %d: %s\n%s", step_no, action, report)
+        log.info("step %d: %s\n%s", step_no, action, report)
         return report
 
     def _replay_ring(self, step_no: int):

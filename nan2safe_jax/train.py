@@ -25,7 +25,7 @@ from nan2safe_jax.gear import GearState
 from nan2safe_jax.site import Probe, name_sites, site_gears
 
 BUILTIN_PROBES = ("loss", "grad_norm", "update_norm")
-OVERFLOW_GRACE = 2  # consecutive loss-scale overflows absorbed before they count as an incident
+OVERFLOW_GRACE = 8  # consecutive loss-scale overflows absorbed (a 256x back-off) before an incident
 
 
 def _path_name(path) -> str:

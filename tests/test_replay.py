@@ -354,6 +354,7 @@ def test_minus_inf_mask_fully_masked_row_reports_first_nan():
     assert r is not None and r.kind == "nan" and r.primitive == "sub"
     assert r.channels == {0: [2], 1: [0, 1, 2, 3, 4, 5]}
     assert "mask" in r.explanation
+    assert r.diagnosis == "0/0"
 
 
 # --------------------------------------------------------------------------------------------

@@ -238,6 +238,17 @@ def diagnose(
                     f"{n_bad} outputs divide by |denominator| <= {float(d.max()):.3g} "
                     f"(numerator up to {float(np.abs(num[bad]).max()):.3g})"
                 )
+    if primitive == "sub" and kind == "nan" and len(invals) == 2:
+        a = _broadcast(invals[0], out_np.shape)
+        b = _broadcast(invals[1], out_np.shape)
+        if a is not None and b is not None:
+            masked = np.isnan(out_np) & np.isneginf(a) & np.isneginf(b)
+            if masked.any():
+                return "0/0", (
+                    f"{int(masked.sum())} of {n_bad} NaNs are -inf - (-inf): rows whose every "
+                    "entry is -inf (a fully masked softmax row: its max is -inf, x - max is NaN, "
+                    "then exp/sum give 0/0)"
+                )
     if primitive in ("rsqrt",) and kind == "inf":
         return "division by ~0", (
             f"rsqrt of {n_bad} value(s) at or near zero "
