@@ -12,10 +12,15 @@ _REPO = Path(__file__).resolve().parents[1]
 
 
 def _demo(args) -> int:
-    from nan2safe_jax.demo import run_tier1_demo
+    script = _REPO / "examples" / "demo.py"
+    if not script.exists():
+        print(f"the demo lives in the repository ({script}); run from a checkout", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(_REPO))
+    from examples import demo
 
-    run_tier1_demo(steps=args.steps)
-    return 0
+    extra = [] if args.steps is None else ["--steps", str(args.steps)]
+    return demo.main([*extra, *(["--workdir", args.workdir] if args.workdir else [])])
 
 
 def _locate(args) -> int:
@@ -70,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nan2safe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="train a small fp16 model through a real numerical fault")
-    demo.add_argument("--steps", type=int, default=160)
+    demo = sub.add_parser(
+        "demo", help="train the example transformer in fp16 through real faults, two arms"
+    )
+    demo.add_argument("--steps", type=int, default=None)
+    demo.add_argument("--workdir", default=None)
     demo.set_defaults(fn=_demo)
 
     loc = sub.add_parser("locate", help="re-run localization offline for a saved incident")
