@@ -533,9 +533,15 @@ def test_triton_lowering(op, monkeypatch):
             [S((64, 768), f32)],
         ),
     }[op]
-    exported = export.export(
-        jax.jit(fn),
-        platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(*args)
+    try:
+        exported = export.export(
+            jax.jit(fn),
+            platforms=["cuda"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(*args)
+    except RuntimeError as err:
+        # jax >= 0.11 no longer cross-lowers Pallas Triton kernels without a GPU device.
+        if "No supported GPU devices" in str(err):
+            pytest.skip(f"this jax cannot cross-lower Triton without a GPU: {err}")
+        raise
     assert "__gpu$xla.gpu.triton" in exported.mlir_module()
