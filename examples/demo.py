@@ -279,7 +279,7 @@ def main(argv=None) -> int:
 
 
 def _first_bad(hist):
-    return next((h["step"] for h in hist if not h["finite"]), None)
+    return next((h["step"] for h in hist if not np.isfinite(h["loss"])), None)
 
 
 if __name__ == "__main__":

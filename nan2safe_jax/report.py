@@ -660,7 +660,7 @@ def print_summary(workdir: str | os.PathLike, console=None) -> dict[str, Any]:
                 _fmt(inc["primitive"]),
                 diag,
                 _fmt(inc["direction"]),
-                _fmt(inc["source"]),
+                _fmt(_short_source(inc["source"])),
                 _fmt(inc["replays"]),
                 _fmt(inc["seconds"], ".2f"),
             )
@@ -955,3 +955,10 @@ def write_tensorboard(workdir: str | os.PathLike, logdir: str | os.PathLike | No
     finally:
         writer.close()
     return True
+
+
+def _short_source(source):
+    """``/long/path/to/file.py:123`` -> ``file.py:123`` (the table is narrow)."""
+    if not source:
+        return source
+    return str(source).replace("\\", "/").rsplit("/", 1)[-1]
