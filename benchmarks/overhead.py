@@ -7,13 +7,21 @@ Both arms train the demo-size decoder (4 layers, d_model 256, seq 128, batch 8, 
 Variants are interleaved over rounds so machine drift hits both alike; each round times
 ``--steps`` steps after a warm-up. Prints min/median/max per arm and the median ratio.
 
+With ``--devices N`` both arms run sharded over N devices (``--sharding dp``: batch over a
+``data`` axis of N, parameters replicated; ``fsdp``: a ``2 x N/2`` data x fsdp mesh, parameters
+and optimizer state split over ``fsdp``), the plain arm jitted with the same shardings. On CPU
+the N devices are simulated: the script re-executes itself with
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (it must be set before JAX starts).
+
     python benchmarks/overhead.py [--rounds 5] [--steps 10] [--json PATH] [--dtype float32]
+                                  [--devices N] [--sharding dp|fsdp] [--batch 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -71,19 +79,31 @@ def plain_loss(model, batch):
     return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
-def make_plain(cfg, tx):
+def make_plain(cfg, tx, rules=None):
     model = PlainTransformer(cfg, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     opt_state = tx.init(params)
 
-    @jax.jit
-    def step(params, opt_state, rest, batch):
+    def raw_step(params, opt_state, rest, batch):
         def f(p):
             return plain_loss(nnx.merge(graphdef, p, rest), batch)
 
         loss, grads = jax.value_and_grad(f)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
+
+    if rules is None:
+        step = jax.jit(raw_step)
+    else:  # the same placement nan2safe.sharding gives the nan2safe arm
+        ps = jax.tree_util.tree_map(rules.param_sharding, params)
+        os_ = jax.tree_util.tree_map(rules.param_sharding, opt_state)
+        rs = jax.tree_util.tree_map(lambda _: rules.replicated, rest)
+        params, opt_state, rest = jax.device_put((params, opt_state, rest), (ps, os_, rs))
+        step = jax.jit(
+            raw_step,
+            in_shardings=(ps, os_, rs, rules.batch_sharding(jnp.zeros((rules.num_data_shards,)))),
+            out_shardings=(ps, os_, rules.replicated),
+        )
 
     carry = [params, opt_state]
 
@@ -94,10 +114,10 @@ def make_plain(cfg, tx):
     return run
 
 
-def make_n2s(cfg, tx):
+def make_n2s(cfg, tx, rules=None):
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     state = nan2safe.TrainState.create(model, nan2safe.optax.guard(tx), nan2safe.Config())
-    step = nan2safe.make_train_step(lm_loss)
+    step = nan2safe.make_train_step(lm_loss, rules=rules)
     carry = [state]
 
     def run(batch):
@@ -124,14 +144,20 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--devices", type=int, default=0, help="shard over N devices (0: one)")
+    ap.add_argument("--sharding", default="dp", choices=["dp", "fsdp"])
+    ap.add_argument("--batch", type=int, default=8, help="global batch size")
     args = ap.parse_args(argv)
+    rules = _rules(args, argv)
 
     cfg = TransformerConfig(
         num_layers=args.layers, d_model=args.d_model, dtype=jnp.dtype(args.dtype)
     )
     tx = optax.adamw(3e-4)
-    batches = [make_batch(jax.random.key(i), cfg, 8) for i in range(4)]
-    arms = {"plain": make_plain(cfg, tx), "nan2safe": make_n2s(cfg, tx)}
+    batches = [make_batch(jax.random.key(i), cfg, args.batch) for i in range(4)]
+    if rules is not None:
+        batches = [nan2safe.sharding.shard_batch(b, rules) for b in batches]
+    arms = {"plain": make_plain(cfg, tx, rules), "nan2safe": make_n2s(cfg, tx, rules)}
     for run in arms.values():  # compile and warm up
         time_steps(run, batches, 3)
     times = {k: [] for k in arms}
@@ -142,7 +168,10 @@ def main(argv=None):
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med["nan2safe"] / med["plain"]
     print(f"backend {jax.default_backend()}  devices {jax.device_count()}  dtype {args.dtype}")
-    print(f"model: {args.layers} layers, d_model {args.d_model}, seq {cfg.seq_len}, batch 8")
+    print(f"model: {args.layers} layers, d_model {args.d_model}, seq {cfg.seq_len}, ", end="")
+    print(f"batch {args.batch}")
+    if rules is not None:
+        print(f"sharding: {args.sharding}  mesh {dict(rules.mesh.shape)}")
     print(f"{'arm':<10} {'min ms':>9} {'median ms':>10} {'max ms':>9}")
     for k, v in times.items():
         print(f"{k:<10} {min(v) * 1e3:9.2f} {med[k] * 1e3:10.2f} {max(v) * 1e3:9.2f}")
@@ -156,11 +185,38 @@ def main(argv=None):
         "dtype": args.dtype,
         "backend": jax.default_backend(),
         "devices": jax.device_count(),
+        "sharding": None if rules is None else args.sharding,
+        "mesh": None if rules is None else dict(rules.mesh.shape),
+        "batch": args.batch,
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=1))
     return record
+
+
+def _rules(args, argv):
+    """The sharding rules for ``--devices``; re-executes with simulated CPU devices if needed."""
+    n = args.devices
+    if n <= 0:
+        return None
+    if jax.device_count() < n:
+        flag = nan2safe.sharding.cpu_simulation_flags(n)
+        if jax.default_backend() != "cpu" or os.environ.get("_N2S_REEXEC") == flag:
+            raise SystemExit(f"--devices {n}: only {jax.device_count()} devices available")
+        env = dict(os.environ, _N2S_REEXEC=flag)
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
+        argv = sys.argv[1:] if argv is None else list(argv)
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], env)
+    devices = jax.devices()[:n]
+    if args.sharding == "fsdp":
+        if n % 2:
+            raise SystemExit(f"--sharding fsdp needs an even --devices, got {n}")
+        mesh = nan2safe.sharding.make_mesh((2, n // 2), ("data", "fsdp"), devices=devices)
+        return nan2safe.sharding.fsdp(mesh)
+    mesh = nan2safe.sharding.make_mesh((n,), ("data",), devices=devices)
+    return nan2safe.sharding.data_parallel(mesh)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Public surface (see DESIGN.md). ``import nan2safe_jax as nan2safe``.
 """
 
-from nan2safe_jax import detector, gear, nn, ops, optax, replay, site
+from nan2safe_jax import detector, gear, nn, ops, optax, replay, sharding, site
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear, GearState
 from nan2safe_jax.site import Probe, SiteGear
@@ -25,6 +25,7 @@ __all__ = [
     "ops",
     "optax",
     "replay",
+    "sharding",
     "site",
 ]
 __version__ = "0.1.0"

@@ -25,6 +25,7 @@ import numpy as np
 
 from nan2safe_jax import gear as gear_lib
 from nan2safe_jax import replay
+from nan2safe_jax import sharding as sharding_lib
 from nan2safe_jax.checkpoint import Checkpointer, tree_is_finite
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear
@@ -112,6 +113,13 @@ class Trainer:
         ``nan2safe locate WORKDIR --step N`` can rebuild the step offline.
       resume: resume from the newest good checkpoint in ``workdir`` (default True).
       progress: show a progress bar with loss, gear and loss scale.
+      mesh: a ``jax.sharding.Mesh``; alone it means ``nan2safe.sharding.data_parallel(mesh)``.
+      rules: ``nan2safe.sharding.data_parallel(...)`` / ``fsdp(...)``. The initial (or resumed)
+        state is placed on the mesh, each batch is split over the data axis, checkpoints restore
+        onto the current mesh (whatever mesh saved them), and tier 2 replays the failing step on
+        one device from gathered arguments; its ``locate`` event gains ``"shards"`` (which data
+        shard, devices and processes hold the bad batch rows). Under ``jax.distributed`` every
+        process runs this loop and passes its own rows of each batch.
 
     Raises:
       ValueError: bad workdir or config.
@@ -129,6 +137,8 @@ class Trainer:
         factory: str | None = None,
         resume: bool = True,
         progress: bool = False,
+        mesh=None,
+        rules: sharding_lib.Rules | None = None,
     ):
         self.cfg = Config() if cfg is None else cfg
         if not isinstance(self.cfg, Config):
@@ -136,8 +146,11 @@ class Trainer:
         self.workdir = _check_workdir(workdir)
         self.loss_fn = loss_fn
         self.progress = progress
+        self.rules = sharding_lib.resolve(mesh, rules)
         self.state = TrainState.create(model, tx, self.cfg)
-        self.step_fn = make_train_step(loss_fn, lr_schedule=lr_schedule)
+        if self.rules is not None:
+            self.state = sharding_lib.shard_state(self.state, self.rules)
+        self.step_fn = make_train_step(loss_fn, lr_schedule=lr_schedule, rules=self.rules)
         self.checkpoints = Checkpointer(self.workdir / "checkpoints")
         self.log = EventLog(self.workdir)
         self.ring: collections.deque = collections.deque(maxlen=self.cfg.ring_buffer)
@@ -299,6 +312,10 @@ class Trainer:
                 return None
             step_no, before, batch = found
         t0 = time.perf_counter()
+        if self.rules is not None:
+            # Replay on one device: the bisection evaluates single equations, which need whole
+            # arrays; every process gathers and replays alike, so all reach the same report.
+            before, batch = sharding_lib.to_local((before, batch))
         report = replay.locate_step(self.step_fn.jitted, before, batch)
         self._save_incident(step_no, before, batch)
         if report is None or not getattr(report, "reproducible", True):
@@ -314,10 +331,23 @@ class Trainer:
             self.log.append("polluted_input", step_no, report=rd)
             return report
         action, enter = self._downshift_site(report, after)
-        self.log.append("locate", step_no, report=rd, action=action)
+        extra = {} if self.rules is None else {"shards": self._shards(report, batch)}
+        self.log.append("locate", step_no, report=rd, action=action, **extra)
         self.log.append("safe_enter", step_no, **enter)
         log.info("step %d: %s\n%s", step_no, action, report)
         return report
+
+    def _shards(self, report, batch) -> dict:
+        """Which data shard / devices held the culprit's bad rows (its axis 0 = the batch)."""
+        sizes = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(batch) if np.ndim(x) > 0}
+        rows = report.channels.get(0)
+        shape = report.output_shape
+        if len(sizes) != 1 or not rows or not shape or shape[0] != next(iter(sizes)):
+            return {
+                "shards": None,
+                "note": "the culprit's output has no batch axis 0: rows cannot be attributed",
+            }
+        return sharding_lib.shards_of(rows, shape[0], self.rules.mesh, self.rules.data_axis)
 
     def _replay_ring(self, step_no: int):
         """The state was damaged: restore the last finite checkpoint, replay the ring buffer.

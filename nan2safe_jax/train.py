@@ -19,6 +19,7 @@ from flax import nnx, struct
 from nan2safe_jax import detector as det_lib
 from nan2safe_jax import gear as gear_lib
 from nan2safe_jax import optax as guard_lib
+from nan2safe_jax import sharding as sharding_lib
 from nan2safe_jax.config import Config
 from nan2safe_jax.detector import DetectorState
 from nan2safe_jax.gear import GearState
@@ -263,12 +264,28 @@ def train_step(
     return new_state, metrics
 
 
+def _unalias(state: TrainState) -> TrainState:
+    """``state`` with no array object in two leaves (``create`` shares its zero scalars), so
+    that every leaf can be donated: XLA refuses to donate one buffer twice."""
+    seen: set[int] = set()
+
+    def one(x):
+        if isinstance(x, jax.Array) and id(x) in seen:
+            return jax.device_put(x, x.sharding, may_alias=False)
+        seen.add(id(x))
+        return x
+
+    return jax.tree_util.tree_map(one, state)
+
+
 def make_train_step(
     loss_fn: Callable,
     *,
     lr_schedule: Callable | None = None,
     jit: bool = True,
     donate: bool = False,
+    mesh: Any = None,
+    rules: Any = None,
 ) -> Callable:
     """The jitted ``(state, batch) -> (state, metrics)`` step.
 
@@ -281,15 +298,52 @@ def make_train_step(
         learning-rate jump (optional).
       jit: compile the step (default); False runs it eagerly (for debugging).
       donate: donate the old state's buffers to the new one.
+      mesh: a ``jax.sharding.Mesh``; alone it means ``nan2safe.sharding.data_parallel(mesh)``.
+      rules: ``nan2safe.sharding.data_parallel(...)`` or ``fsdp(...)``. With a mesh or rules the
+        step places the state and the batch on the mesh (a no-op when they already are) and is
+        jitted with those ``in_shardings``/``out_shardings``; metrics come out replicated. Every
+        statistic is a reduction over the global arrays inside the one SPMD program, so each
+        device holds the same risk and next gear (see ``nan2safe_jax.sharding``).
 
     Returns:
       ``step(state, batch)``. Its metrics hold ``loss``, ``risk``, ``gear`` (the level this step
       ran with), ``loss_scale``, ``grad_norm``, ``nonfinite``, ``skipped``, per-probe ``probes``
       and ``probe_risk``, ``site_gears`` and ``state_finite`` (checked on checkpoint steps).
+      ``step.jitted`` is the step jitted without shardings (what ``replay.locate_step`` traces;
+      give it arguments gathered with ``nan2safe.sharding.to_local``); ``step.rules`` the rules.
     """
+    rules = sharding_lib.resolve(mesh, rules)
     fn = functools.partial(train_step, loss_fn=loss_fn, lr_schedule=lr_schedule)
-    compiled = jax.jit(fn, donate_argnums=(0,) if donate else ()) if jit else fn
+    donate_argnums = (0,) if donate else ()
+    compiled = jax.jit(fn, donate_argnums=donate_argnums) if jit else fn
     checked: dict[tuple, tuple] = {}
+    sharded: dict[tuple, Callable] = {}
+    last_out: list = [None]  # the state this step returned last: already on the mesh
+
+    def run_sharded(state, batch):
+        if state is not last_out[0]:
+            if donate:
+                state = _unalias(state)
+            state = sharding_lib.shard_state(state, rules)
+        batch = sharding_lib.shard_batch(batch, rules)
+        key = (
+            jax.tree_util.tree_structure(state),
+            jax.tree_util.tree_structure(batch),
+            tuple(jnp.shape(x) for x in jax.tree_util.tree_leaves(batch)),
+        )
+        f = sharded.get(key)
+        if f is None:
+            state_sh = sharding_lib.state_shardings(state, rules)
+            batch_sh = sharding_lib.batch_shardings(batch, rules)
+            f = sharded[key] = jax.jit(
+                fn,
+                in_shardings=(state_sh, batch_sh),
+                out_shardings=(state_sh, rules.replicated),
+                donate_argnums=donate_argnums,
+            )
+        new_state, metrics = f(state, batch)
+        last_out[0] = new_state
+        return new_state, metrics
 
     def probe_names(state, batch):
         seen = []
@@ -310,7 +364,14 @@ def make_train_step(
         checked.setdefault((names, key[1]), names)
         if names != state.detector.names:
             state = state.with_probes(names)
-        return compiled(state, batch)
+        if rules is not None and jit:
+            return run_sharded(state, batch)
+        if donate and jit and state is not last_out[0]:
+            state = _unalias(state)
+        new_state, metrics = compiled(state, batch)
+        last_out[0] = new_state if donate else None
+        return new_state, metrics
 
     step.jitted = compiled
+    step.rules = rules
     return step

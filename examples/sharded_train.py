@@ -1,0 +1,122 @@
+"""Sharded training: the example transformer on a data x fsdp mesh, through the Trainer.
+
+Single host, simulated devices (CPU): the script sets
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before it imports JAX.
+
+    python examples/sharded_train.py --devices 8 --mesh 2x4 --steps 30 --fault-step 12
+
+``--fault-step K`` hands over, at step K, a batch whose row ``--fault-row`` is left-padded: with
+the key-padding mask and causal attention that query sees only padding keys, its softmax row is
+fully masked and FAST attention computes 0/0. Every device takes the same downshift (the
+statistics are global reductions in the SPMD step), tier 2 replays the step on one device,
+names the attention site, and the ``locate`` event says which data shard / devices held the row.
+
+Multi-host (a real cluster, one process per host; every process runs the same command with its
+own ``--process-id``; each passes only its own rows of every batch):
+
+    python examples/sharded_train.py --coordinator host0:1234 --num-processes 2 \\
+        --process-id 0 --mesh 2x8 --workdir /shared/runs/x
+
+``jax.distributed.initialize`` connects the processes; JAX's SPMD engine does the rest — no
+coordination code of ours. Checkpoints (orbax) need a ``--workdir`` every host can reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+
+def _args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--devices", type=int, default=8, help="simulated CPU devices (single host)")
+    ap.add_argument("--mesh", default="2x4", help="data x fsdp, e.g. 2x4 (8x1: data parallel)")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=8, help="global batch size")
+    ap.add_argument("--fault-step", type=int, default=None)
+    ap.add_argument("--fault-row", type=int, default=5)
+    ap.add_argument("--workdir", default="runs/sharded")
+    ap.add_argument("--coordinator", default=None, help="host:port of process 0 (multi-host)")
+    ap.add_argument("--num-processes", type=int, default=None)
+    ap.add_argument("--process-id", type=int, default=None)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    if args.coordinator is None and "jax" not in sys.modules:
+        # Simulated devices; keep in sync with nan2safe.sharding.cpu_simulation_flags (not
+        # imported here: importing nan2safe_jax imports jax, which must come after the flags).
+        flag = (
+            f"--xla_force_host_platform_device_count={args.devices} "
+            "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+        )
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import nan2safe_jax as nan2safe
+    from examples.transformer import Transformer, TransformerConfig, lm_loss, make_batch
+
+    if args.coordinator is not None:
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    data_n, fsdp_n = (int(v) for v in args.mesh.lower().split("x"))
+    mesh = nan2safe.sharding.make_mesh((data_n, fsdp_n), ("data", "fsdp"))
+    if fsdp_n > 1:
+        rules = nan2safe.sharding.fsdp(mesh, min_size=256)
+    else:
+        rules = nan2safe.sharding.data_parallel(mesh)
+
+    cfg = TransformerConfig(num_layers=2, d_model=64, num_heads=4, seq_len=32, pad_mask="keys")
+    ncfg = nan2safe.Config(checkpoint_every=10, min_history=8, safe_max_steps=4)
+    workdir = Path(args.workdir)
+    if jax.process_index() == 0 and workdir.exists():
+        shutil.rmtree(workdir)  # a fresh run each time (remove this line to resume)
+    trainer = nan2safe.Trainer(
+        Transformer(cfg, rngs=nnx.Rngs(0)), optax.adamw(3e-3), lm_loss, ncfg, workdir, rules=rules
+    )
+
+    local_rows = args.batch // jax.process_count()  # each process feeds its own rows
+
+    def batches():
+        for i in range(args.steps):
+            key = jax.random.fold_in(jax.random.key(i), jax.process_index())
+            b = {k: np.array(v) for k, v in make_batch(key, cfg, local_rows, pad=False).items()}
+            if i == args.fault_step:
+                # Left padding: real tokens at the end, so early queries see only padding keys.
+                b["mask"][args.fault_row % local_rows, : cfg.seq_len // 2] = False
+            yield b
+
+    history = trainer.fit(batches(), steps=args.steps)
+    if jax.process_index() != 0:
+        return 0
+    kernel = jax.tree_util.tree_leaves(trainer.state.params)[-1]
+    procs = jax.process_count()
+    print(f"devices {jax.device_count()} ({procs} processes), mesh {dict(mesh.shape)}")
+    print(f"a parameter {kernel.shape}: {kernel.sharding.spec}")
+    print(f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f} over {len(history)} steps")
+    for e in trainer.events:
+        if e["type"] in ("downshift", "locate", "safe_enter", "safe_exit", "recover"):
+            brief = {k: e[k] for k in ("site", "cause", "action", "shards") if k in e}
+            if "report" in e:
+                brief["culprit"] = f"{e['report']['primitive']} in {e['report']['site']}"
+            print(f"step {e['step']:3d} {e['type']:<10} {json.dumps(brief)[:300]}")
+    gear = trainer.state.gear.level
+    same = nan2safe.sharding.is_replicated(gear)
+    print(f"gear {int(gear)} on every device: {same} ({len(gear.addressable_shards)} copies)")
+    return 0 if np.isfinite(history[-1]["loss"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,376 @@
+"""Sharding rules for the train step: data parallel and FSDP under ``jax.sharding``.
+
+JAX's SPMD partitioner is the distributed engine; this module only says where each array of a
+``TrainState`` and of a batch lives on a ``Mesh``:
+
+- the batch is split along its leading (batch) dimension over the data axis;
+- parameters and optimizer state are replicated (``data_parallel``) or split over a second,
+  FSDP axis on their largest dimension divisible by its size (``fsdp``, ZeRO-3 style);
+- everything small — gear state, detector baselines, site gears and probes, scalars — is
+  replicated.
+
+Why every device takes the same gear decision, with no code of ours to coordinate it: the step
+is one SPMD program over global arrays. A probe statistic such as ``max(|h|)`` of a
+batch-sharded activation is a reduction over a *global* array, so the partitioner computes it as
+a local reduction followed by an all-reduce, and its result is the same value on every device.
+The detector, the risk score and ``gear.decide`` then run on replicated inputs and produce
+replicated outputs (the step's ``out_shardings`` say so), so each device holds the same risk and
+the same next gear. There is no rank-0 "brain" and no collective written by hand. Under
+multi-host ``jax.distributed`` the same program runs on every process, so the host loops (which
+only read those replicated metrics) take the same branches too.
+
+    mesh = nan2safe.sharding.make_mesh((2, 4), ("data", "fsdp"))
+    rules = nan2safe.sharding.fsdp(mesh)                  # or data_parallel(mesh)
+    step = nan2safe.make_train_step(loss_fn, rules=rules)   # shards state and batch itself
+    trainer = nan2safe.Trainer(model, tx, loss_fn, cfg, workdir, rules=rules)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+T = TypeVar("T")
+
+# Fields of a TrainState whose leaves follow the parameter rule (Adam's mu/nu have the params'
+# shapes); every other field is small and replicated.
+_PARAM_FIELDS = ("params", "opt_state")
+
+__all__ = [
+    "Rules",
+    "batch_shardings",
+    "cpu_simulation_flags",
+    "data_parallel",
+    "fsdp",
+    "is_replicated",
+    "make_mesh",
+    "resolve",
+    "shard_batch",
+    "shard_state",
+    "shards_of",
+    "state_shardings",
+    "to_local",
+]
+
+
+def cpu_simulation_flags(devices: int) -> str:
+    """``XLA_FLAGS`` for ``devices`` simulated CPU devices (set before JAX is imported).
+
+    Besides the device count, turns off XLA:CPU's concurrency-optimized scheduler: with it, the
+    per-device programs of an FSDP step can issue independent collectives in different orders
+    and, on a machine with few cores, deadlock in the all-reduce rendezvous (seen with the
+    example transformer on 8 simulated devices). Real accelerators are not affected.
+    """
+    return (
+        f"--xla_force_host_platform_device_count={int(devices)} "
+        "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+    )
+
+
+def make_mesh(shape: Sequence[int], axis_names: Sequence[str], *, devices=None) -> Mesh:
+    """A ``Mesh`` whose axes are ``Auto`` (the partitioner propagates shardings in the step).
+
+    ``jax.make_mesh`` defaults to ``Explicit`` axes, which require every op of the model to be
+    written for explicit sharding; nan2safe only fixes the shardings at the step's boundary.
+
+    Args:
+      shape: devices along each axis, e.g. ``(2, 4)``; its product must be the device count
+        (or ``len(devices)``).
+      axis_names: e.g. ``("data", "fsdp")``.
+      devices: the devices to use (default: all of ``jax.devices()``).
+    """
+    shape, names = tuple(int(s) for s in shape), tuple(axis_names)
+    if len(shape) != len(names):
+        raise ValueError(f"mesh shape {shape} and axis names {names} differ in length")
+    devs = jax.devices() if devices is None else list(devices)
+    if math.prod(shape) != len(devs):
+        raise ValueError(
+            f"mesh shape {shape} needs {math.prod(shape)} devices, have {len(devs)}; on CPU "
+            "set XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax"
+        )
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape), devices=devs)
+
+
+def _auto(mesh: Mesh) -> Mesh:
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
+
+
+def _axes(axis) -> tuple[str, ...]:
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Where each array goes on ``mesh``. Build with ``data_parallel`` or ``fsdp``.
+
+    Attributes:
+      mesh: the device mesh (its axes are made ``Auto``).
+      data_axis: mesh axis (or tuple of axes) the batch's leading dimension is split over.
+      fsdp_axis: mesh axis parameters and optimizer state are split over; None replicates them.
+      min_size: arrays with fewer elements than this stay replicated (not worth splitting).
+    """
+
+    mesh: Mesh
+    data_axis: str | tuple[str, ...] = "data"
+    fsdp_axis: str | None = None
+    min_size: int = 1024
+
+    def __post_init__(self):
+        object.__setattr__(self, "mesh", _auto(self.mesh))
+        names = self.mesh.axis_names
+        for ax in _axes(self.data_axis) + ((self.fsdp_axis,) if self.fsdp_axis else ()):
+            if ax not in names:
+                raise ValueError(f"axis {ax!r} is not in the mesh's axes {names}")
+        if self.min_size < 0:
+            raise ValueError(f"min_size must be >= 0, got {self.min_size!r}")
+
+    @property
+    def replicated(self) -> NamedSharding:
+        """The sharding of small state and of the step's metrics: a full copy on every device."""
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    @property
+    def num_data_shards(self) -> int:
+        """How many pieces the batch is cut into."""
+        return math.prod(self.mesh.shape[a] for a in _axes(self.data_axis))
+
+    def batch_sharding(self, x) -> NamedSharding:
+        """Leading dimension over the data axis; a scalar is replicated.
+
+        Raises:
+          ValueError: the leading dimension is not divisible by the number of data shards.
+        """
+        shape = np.shape(x)
+        if not shape:
+            return self.replicated
+        n = self.num_data_shards
+        if shape[0] % n:
+            raise ValueError(
+                f"batch leading dimension {shape[0]} is not divisible by the {n} data shards "
+                f"of mesh axis {self.data_axis!r}; use a global batch size that is a multiple "
+                f"of {n}"
+            )
+        axis = self.data_axis if isinstance(self.data_axis, str) else tuple(self.data_axis)
+        return NamedSharding(self.mesh, PartitionSpec(axis))
+
+    def param_sharding(self, x) -> NamedSharding:
+        """Replicated, or (FSDP) split on the largest dimension divisible by the FSDP axis."""
+        shape = np.shape(x)
+        if self.fsdp_axis is None or math.prod(shape) < max(self.min_size, 1):
+            return self.replicated
+        n = self.mesh.shape[self.fsdp_axis]
+        fits = [d for d in range(len(shape)) if shape[d] % n == 0 and shape[d] >= n]
+        if not fits:
+            return self.replicated
+        dim = max(fits, key=lambda d: (shape[d], -d))
+        spec = [None] * len(shape)
+        spec[dim] = self.fsdp_axis
+        return NamedSharding(self.mesh, PartitionSpec(*spec))
+
+
+def data_parallel(mesh: Mesh, data_axis: str | tuple[str, ...] = "data") -> Rules:
+    """Batch split over ``data_axis``; parameters, optimizer state and the rest replicated."""
+    return Rules(mesh, data_axis=data_axis, fsdp_axis=None)
+
+
+def fsdp(
+    mesh: Mesh,
+    data_axis: str | tuple[str, ...] = "data",
+    fsdp_axis: str = "fsdp",
+    *,
+    min_size: int = 1024,
+) -> Rules:
+    """Batch split over ``data_axis``; parameters and optimizer state split over ``fsdp_axis``.
+
+    Each parameter (and each optimizer-state array of the same shape) is split on its largest
+    dimension divisible by the FSDP axis size; arrays under ``min_size`` elements or with no
+    such dimension are replicated. To also split the batch over the FSDP axis (ZeRO-3: every
+    device computes on a different slice), pass ``data_axis=("data", "fsdp")``.
+    """
+    if fsdp_axis is None:
+        raise ValueError("fsdp_axis is required; use data_parallel(mesh) to replicate parameters")
+    return Rules(mesh, data_axis=data_axis, fsdp_axis=fsdp_axis, min_size=min_size)
+
+
+def _field(path) -> str | None:
+    if not path:
+        return None
+    k = path[0]
+    return getattr(k, "name", getattr(k, "key", None))
+
+
+def state_shardings(state: T, rules: Rules) -> T:
+    """A tree like ``state`` whose leaves are the ``NamedSharding`` each array goes to.
+
+    Leaves under ``state.params`` and ``state.opt_state`` follow ``rules.param_sharding``;
+    every other leaf (gears, detector, site state, step) is replicated.
+    """
+
+    def one(path, leaf):
+        if _field(path) in _PARAM_FIELDS:
+            return rules.param_sharding(leaf)
+        return rules.replicated
+
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
+def batch_shardings(batch: T, rules: Rules) -> T:
+    """A tree like ``batch`` of ``NamedSharding``: leading dimension over the data axis."""
+    return jax.tree_util.tree_map(rules.batch_sharding, batch)
+
+
+def shard_state(state: T, rules: Rules) -> T:
+    """``state`` placed on ``rules.mesh`` (a no-op for arrays already placed so).
+
+    Every process must pass the same values (the state is global; ``jax.device_put`` keeps
+    only each process's own shards).
+    """
+    return jax.device_put(state, state_shardings(state, rules))
+
+
+def shard_batch(batch: T, rules: Rules) -> T:
+    """``batch`` as global arrays split over the data axis.
+
+    Single process: ``batch`` is the global batch. Multi-process (``jax.distributed``): each
+    process passes its own rows (the global batch is their concatenation in process order) and
+    ``jax.make_array_from_process_local_data`` assembles the global array — no gather.
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(batch, batch_shardings(batch, rules))
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return x  # already global
+        x = np.asarray(x)
+        if x.ndim == 0:
+            return jax.device_put(x, rules.replicated)
+        # Global shape: the local rows times the number of processes the data axis spans.
+        sharding = NamedSharding(rules.mesh, PartitionSpec(rules.data_axis))
+        return jax.make_array_from_process_local_data(sharding, x)
+
+    return jax.tree_util.tree_map(one, batch)
+
+
+def to_local(tree: T) -> T:
+    """A copy of ``tree`` whose arrays are whole on one local device.
+
+    Used to replay a sharded step on one device (``replay.locate_step``): arrays that are not
+    fully addressable (multi-host) are first replicated by a jitted identity, so each process
+    then holds the whole value and replays it alone, with the same result everywhere.
+    """
+    dev = jax.local_devices()[0]
+
+    def one(x):
+        if not isinstance(x, jax.Array):
+            return x
+        if not x.is_fully_addressable:
+            mesh = getattr(x.sharding, "mesh", None)
+            if mesh is None:
+                raise ValueError(f"cannot gather an array with sharding {x.sharding}")
+            full = NamedSharding(mesh, PartitionSpec())
+            x = jax.jit(lambda a: a, out_shardings=full)(x)
+            return x.addressable_shards[0].data
+        return jax.device_put(x, dev)
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def is_replicated(x: jax.Array) -> bool:
+    """Whether every addressable shard of ``x`` is a full copy holding the same values."""
+    shards = x.addressable_shards
+    if any(s.data.shape != x.shape for s in shards):
+        return False
+    first = np.asarray(shards[0].data)
+    return all(np.array_equal(np.asarray(s.data), first, equal_nan=True) for s in shards[1:])
+
+
+def shards_of(
+    rows: Sequence[int],
+    batch_size: int,
+    mesh: Mesh,
+    data_axis: str | tuple[str, ...] = "data",
+) -> dict[str, Any]:
+    """Which data shard, devices and processes hold the given batch rows.
+
+    Args:
+      rows: indices along the batch (leading) dimension, e.g. ``report.channels[0]``.
+      batch_size: the global batch size.
+      mesh: the mesh the batch was split on.
+      data_axis: the mesh axis (or axes) the batch was split over.
+
+    Returns:
+      ``{"data_axis", "num_shards", "rows_per_shard", "shards": [shard indices],
+      "devices": [device ids], "processes": [process indices],
+      "by_shard": [{"shard", "rows", "devices", "processes"}, ...]}``. Shard ``k`` holds rows
+      ``[k * rows_per_shard, (k + 1) * rows_per_shard)``; each is held by every device of the
+      mesh at that data coordinate (all of them along the other axes).
+
+    Raises:
+      ValueError: ``batch_size`` is not divisible by the number of shards, or a row is out of
+        range.
+    """
+    rules = Rules(mesh, data_axis=data_axis)
+    sharding = rules.batch_sharding(np.empty((batch_size,), np.int8))
+    n = rules.num_data_shards
+    per = batch_size // n
+    rows = sorted({int(r) for r in rows})
+    bad = [r for r in rows if not 0 <= r < batch_size]
+    if bad:
+        raise ValueError(f"rows {bad} are outside a batch of {batch_size}")
+    holders: dict[int, list] = {}
+    for dev, idx in sharding.devices_indices_map((batch_size,)).items():
+        start = idx[0].start or 0
+        holders.setdefault(start // per, []).append(dev)
+    by_shard = []
+    for k in sorted({r // per for r in rows}):
+        devs = sorted(holders.get(k, []), key=lambda d: d.id)
+        by_shard.append(
+            {
+                "shard": k,
+                "rows": [r for r in rows if r // per == k],
+                "devices": [d.id for d in devs],
+                "processes": sorted({d.process_index for d in devs}),
+            }
+        )
+    return {
+        "data_axis": data_axis if isinstance(data_axis, str) else list(data_axis),
+        "num_shards": n,
+        "rows_per_shard": per,
+        "shards": [s["shard"] for s in by_shard],
+        "devices": sorted({d for s in by_shard for d in s["devices"]}),
+        "processes": sorted({p for s in by_shard for p in s["processes"]}),
+        "by_shard": by_shard,
+    }
+
+
+def resolve(mesh: Mesh | None, rules: Rules | None) -> Rules | None:
+    """The rules for ``make_train_step`` / ``Trainer`` given either or both arguments.
+
+    ``mesh`` alone means ``data_parallel(mesh)`` over its first axis; ``rules`` alone uses its
+    mesh; neither means no sharding (None).
+
+    Raises:
+      ValueError: both are given and ``rules.mesh`` is a different mesh.
+    """
+    if rules is None and mesh is None:
+        return None
+    if rules is None:
+        return data_parallel(mesh, data_axis=_auto(mesh).axis_names[0])
+    if not isinstance(rules, Rules):
+        raise ValueError(f"rules must be nan2safe.sharding.Rules, got {type(rules).__name__}")
+    if mesh is not None and (
+        _auto(mesh).devices.tolist() != rules.mesh.devices.tolist()
+        or tuple(mesh.axis_names) != tuple(rules.mesh.axis_names)
+    ):
+        raise ValueError(f"mesh {mesh} differs from the rules' mesh {rules.mesh}; pass one")
+    return rules

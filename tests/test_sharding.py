@@ -1,0 +1,317 @@
+"""Sharding: data parallel and FSDP on simulated CPU devices, global gear decisions, locate's
+shard attribution, checkpoints restored onto a different mesh.
+
+The main pytest process imported JAX with one device, so each multi-device scenario group runs
+in a subprocess (this file run as a script) with ``--xla_force_host_platform_device_count`` set
+before JAX starts; it prints one JSON line that the tests assert on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tiny_models, when run as a script
+
+from tiny_models import Net, data, loss_fn, make_fragile  # noqa: E402
+
+import nan2safe_jax as nan2safe  # noqa: E402
+from nan2safe_jax import sharding  # noqa: E402
+from nan2safe_jax.checkpoint import Checkpointer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BAD_ROW = 20  # in data shard 1 of 2 (rows 16..31 of a 32-row batch)
+STEPS = 20
+
+
+def _run(scenario: str, devices: int, *args: str) -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = sharding.cpu_simulation_flags(devices)
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, __file__, scenario, *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------- scenarios (in a subprocess)
+
+
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _net_state():
+    return nan2safe.TrainState.create(Net(rngs=nnx.Rngs(0)), optax.adam(1e-2))
+
+
+def _scenario_eight(out: Path) -> dict:
+    """8 devices: parity, donation, a global downshift, locate's shards, an FSDP checkpoint."""
+    assert jax.device_count() == 8, jax.device_count()
+    res: dict = {}
+    x, y = data(STEPS)
+    mesh = sharding.make_mesh((2, 4), ("data", "fsdp"))
+    runs = {
+        "single": (None, False),
+        "fsdp": (sharding.fsdp(mesh, min_size=64), True),
+    }
+    states = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name, (rules, donate) in runs.items():
+            step = nan2safe.make_train_step(loss_fn, rules=rules, donate=donate)
+            state, hist = _net_state(), []
+            for i in range(STEPS):
+                old = state
+                state, m = step(state, (x[i], y[i]))
+                hist.append({k: float(m[k]) for k in ("loss", "grad_norm", "risk", "next_gear")})
+            states[name] = state
+            res[name] = hist
+            if donate:
+                res["donated"] = all(a.is_deleted() for a in jax.tree_util.tree_leaves(old.params))
+            res[f"{name}_metrics_replicated"] = all(
+                a.sharding.is_fully_replicated for a in jax.tree_util.tree_leaves(m)
+            )
+    res["warnings"] = [str(w.message) for w in caught if "donat" in str(w.message)]
+    fs = states["fsdp"]
+    res["fsdp_specs"] = {
+        jax.tree_util.keystr(p): str(a.sharding.spec)
+        for p, a in jax.tree_util.tree_flatten_with_path(fs.params)[0]
+    }
+    res["fsdp_mu_spec"] = str(
+        jax.tree_util.tree_leaves(fs.opt_state.skip.inner[1][0].mu)[1].sharding.spec
+    )
+    # A checkpoint of the FSDP state, for the 4-device scenario to restore.
+    ck = Checkpointer(out / "ckpt", async_save=False)
+    ck.save(STEPS, fs)
+    leaves = [np.asarray(a) for a in jax.tree_util.tree_leaves(fs) if not _is_key(a)]
+    np.savez(out / "ckpt_values.npz", *leaves)
+
+    # A fault in data shard 1's slice (one constant row -> 0/0 in a LayerNorm without eps),
+    # through the Trainer: locate on gathered arguments, the shard in the event.
+    model, tx, lf, cfg = make_fragile()
+    rules = sharding.fsdp(mesh, min_size=64)
+    tr = nan2safe.Trainer(model, tx, lf, cfg, out / "run", rules=rules)
+    tx_, ty_ = data(12, seed=2)
+    batches = []
+    for i in range(12):
+        xi = np.array(tx_[i])
+        if i in (8, 9):
+            xi[BAD_ROW, :] = 1.5
+        batches.append((jnp.asarray(xi), ty_[i]))
+    hist = tr.fit(batches, steps=12)
+    res["trainer"] = {
+        "events": [
+            {k: e.get(k) for k in ("type", "step", "shards", "site", "cause")} for e in tr.events
+        ],
+        "report_channels": next(
+            (e["report"]["channels"] for e in tr.events if e["type"] == "locate"), None
+        ),
+        "finite": [h["finite"] for h in hist],
+        "state_devices": len(jax.tree_util.tree_leaves(tr.state.params)[0].sharding.device_set),
+    }
+    # The same fault in one step (the trainer's, compiled already): every device's gear state.
+    model, tx, lf, cfg = make_fragile()
+    step = tr.step_fn
+    state = nan2safe.TrainState.create(model, tx, cfg)
+    fx, fy = data(4, seed=1)
+    for i in range(3):
+        state, m = step(state, (fx[i], fy[i]))
+    bad = np.array(fx[3])
+    bad[BAD_ROW, :] = 1.5
+    new, m = step(state, (jnp.asarray(bad), fy[3]))
+    lvl = new.gear.level
+    res["fault_step"] = {
+        "incident": bool(m["incident"]),
+        "next_gear": int(m["next_gear"]),
+        "level_shards": [int(s.data) for s in lvl.addressable_shards],
+        "level_devices": sorted(d.id for d in lvl.sharding.device_set),
+        "level_replicated": sharding.is_replicated(lvl) and lvl.sharding.is_fully_replicated,
+        "risk_shards": [float(s.data) for s in m["risk"].addressable_shards],
+    }
+
+    res["shards_of"] = sharding.shards_of([1, 17, 30], 32, mesh, "data")
+    res["shards_of_zero3"] = sharding.shards_of([9], 32, mesh, ("data", "fsdp"))
+    return res
+
+
+def _scenario_four(out: Path) -> dict:
+    """4 devices: the 8-device checkpoint restores onto a 1x4 mesh; the Trainer resumes."""
+    assert jax.device_count() == 4, jax.device_count()
+    res: dict = {}
+    mesh = sharding.make_mesh((1, 4), ("data", "fsdp"))
+    rules = sharding.fsdp(mesh, min_size=64)
+    template = sharding.shard_state(_net_state(), rules)
+    ck = Checkpointer(out / "ckpt", async_save=False)
+    state = ck.restore(STEPS, template)
+    saved = np.load(out / "ckpt_values.npz")
+    leaves = [a for a in jax.tree_util.tree_leaves(state) if not _is_key(a)]
+    res["values_equal"] = len(leaves) == len(saved.files) and all(
+        np.array_equal(np.asarray(a), saved[f"arr_{i}"]) for i, a in enumerate(leaves)
+    )
+    kernel = state.params["blocks"][0]["up"]["kernel"][...]
+    res["kernel_spec"] = str(kernel.sharding.spec)
+    res["kernel_devices"] = len(kernel.sharding.device_set)
+    res["kernel_shard_shape"] = list(kernel.addressable_shards[0].data.shape)
+    x, y = data(1, seed=3)
+    state, m = nan2safe.make_train_step(loss_fn, rules=rules)(state, (x[0], y[0]))
+    res["step_after_restore"] = {"finite": bool(m["finite"]), "step": int(state.step)}
+
+    # The trainer's FSDP checkpoints resume under plain data parallelism on 4 devices.
+    model, tx, lf, cfg = make_fragile()
+    dp = sharding.data_parallel(sharding.make_mesh((4,), ("data",)))
+    tr = nan2safe.Trainer(model, tx, lf, cfg, out / "run", rules=dp)
+    res["resumed_replicated"] = all(
+        a.sharding.is_fully_replicated for a in jax.tree_util.tree_leaves(tr.state.params)
+    )
+    res["resume"] = [e for e in tr.events if e["type"] == "resume"]
+    res["resumed_devices"] = len(jax.tree_util.tree_leaves(tr.state.params)[0].sharding.device_set)
+    hist = tr.fit([(x[0], y[0])] * 2, steps=2)
+    res["resumed_fit_finite"] = [h["finite"] for h in hist]
+    return res
+
+
+# ----------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharding")
+    eight = _run("eight", 8, str(out))
+    four = _run("four", 4, str(out))
+    return eight, four
+
+
+def test_sharded_runs_match_the_single_device_run(runs):
+    eight, _ = runs
+    single = eight["single"]
+    for name in ("fsdp",):
+        for a, b in zip(single, eight[name], strict=True):
+            np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-4, atol=1e-6)
+            np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=1e-4, atol=1e-6)
+            assert b["risk"] == a["risk"] and b["next_gear"] == a["next_gear"]
+        assert eight[f"{name}_metrics_replicated"]
+    assert len(single) == STEPS
+
+
+def test_fsdp_splits_parameters_and_optimizer_state(runs):
+    eight, _ = runs
+    specs = eight["fsdp_specs"]
+    assert specs["['blocks'][0]['up']['kernel'].value"] == "P(None, 'fsdp')"
+    assert specs["['blocks'][0]['down']['kernel'].value"] == "P('fsdp', None)"
+    assert specs["['blocks'][0]['up']['bias'].value"] == "P()"  # under min_size
+    assert eight["fsdp_mu_spec"] == "P('fsdp', None)"  # Adam's mu follows its param
+
+
+def test_donation_of_the_sharded_state(runs):
+    eight, _ = runs
+    assert eight["donated"]
+    assert eight["warnings"] == []
+
+
+def test_fault_in_one_shard_downshifts_every_device_alike(runs):
+    eight, _ = runs
+    f = eight["fault_step"]
+    assert f["incident"] and f["next_gear"] == nan2safe.Gear.STABLE
+    assert f["level_devices"] == list(range(8))
+    assert f["level_shards"] == [nan2safe.Gear.STABLE] * 8
+    assert f["level_replicated"]
+    assert len(set(f["risk_shards"])) == 1
+
+
+def test_locate_names_the_data_shard(runs):
+    eight, _ = runs
+    t = eight["trainer"]
+    types = [e["type"] for e in t["events"]]
+    assert "downshift" in types and "locate" in types and "safe_enter" in types
+    loc = next(e for e in t["events"] if e["type"] == "locate")
+    assert loc["step"] == 8
+    assert BAD_ROW in t["report_channels"]["0"]
+    shards = loc["shards"]
+    assert shards["shards"] == [1] and shards["num_shards"] == 2
+    assert shards["by_shard"][0]["rows"] == [BAD_ROW]
+    assert shards["devices"] == [4, 5, 6, 7]  # mesh row 1 of the 2x4 mesh
+    assert t["finite"][9]  # the site went SAFE: the repeated fault is absorbed
+    assert t["state_devices"] == 8
+
+
+def test_shards_of(runs):
+    eight, _ = runs
+    s = eight["shards_of"]
+    assert s["shards"] == [0, 1] and s["rows_per_shard"] == 16
+    assert [b["rows"] for b in s["by_shard"]] == [[1], [17, 30]]
+    assert s["by_shard"][0]["devices"] == [0, 1, 2, 3] and s["processes"] == [0]
+    z = eight["shards_of_zero3"]  # batch over both axes: 8 shards of 4 rows
+    assert z["num_shards"] == 8 and z["shards"] == [2] and z["devices"] == [2]
+
+
+def test_checkpoint_from_8_devices_restores_on_a_1x4_mesh(runs):
+    _, four = runs
+    assert four["values_equal"]
+    assert four["kernel_devices"] == 4 and four["kernel_spec"] == "P(None, 'fsdp')"
+    assert four["kernel_shard_shape"] == [16, 8]
+    assert four["step_after_restore"] == {"finite": True, "step": STEPS + 1}
+    assert four["resume"] and four["resume"][0]["from_step"] == 10
+    assert four["resumed_devices"] == 4 and four["resumed_replicated"]
+    assert four["resumed_fit_finite"] == [True, True]
+
+
+# ----------------------------------------------------------------- one device, in process
+
+
+def test_rules_validate_their_axes():
+    mesh = sharding.make_mesh((1,), ("data",))
+    with pytest.raises(ValueError, match="not in the mesh"):
+        sharding.fsdp(mesh)
+    with pytest.raises(ValueError, match="devices"):
+        sharding.make_mesh((2, 4), ("data", "fsdp"))
+    with pytest.raises(ValueError, match="Mesh"):
+        sharding.data_parallel("data")
+    rules = sharding.resolve(mesh, None)
+    assert rules.data_axis == "data" and rules.fsdp_axis is None
+
+
+def test_explicit_mesh_axes_become_auto():
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    rules = sharding.data_parallel(mesh)
+    assert rules.mesh.axis_types == (jax.sharding.AxisType.Auto,)
+
+
+def test_donated_steps_with_and_without_a_mesh_agree():
+    # TrainState.create shares zero scalars between leaves; XLA refuses to donate a buffer twice.
+    rules = sharding.data_parallel(sharding.make_mesh((1,), ("data",)))
+    plain = nan2safe.make_train_step(loss_fn, donate=True)
+    sharded = nan2safe.make_train_step(loss_fn, rules=rules, donate=True)
+    x, y = data(3)
+    a, b = _net_state(), _net_state()
+    for i in range(3):
+        old = a
+        a, ma = plain(a, (x[i], y[i]))
+        b, mb = sharded(b, (x[i], y[i]))
+        assert bool(ma["finite"]) and bool(mb["finite"])
+        np.testing.assert_allclose(float(mb["loss"]), float(ma["loss"]), rtol=1e-6)
+    assert jax.tree_util.tree_leaves(old.params)[0].is_deleted()
+    assert sharded.rules is rules and plain.rules is None
+
+
+if __name__ == "__main__":
+    scenario, out_dir = sys.argv[1], Path(sys.argv[2])
+    fn = {"eight": _scenario_eight, "four": _scenario_four}[scenario]
+    print(json.dumps(fn(out_dir), default=str))
