@@ -34,6 +34,12 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
+def sum_of_squares(tree) -> jax.Array:
+    """f32[] sum of the squares of every leaf, in f32 (non-finite when any leaf is)."""
+    leaves = [jnp.asarray(x, jnp.float32) for x in jax.tree_util.tree_leaves(tree)]
+    return sum((jnp.sum(jnp.square(x)) for x in leaves), jnp.zeros([], jnp.float32))
+
+
 def global_norm(tree) -> jax.Array:
     """f32[] L2 norm of all leaves, in f32, without overflow.
 

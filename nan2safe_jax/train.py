@@ -190,11 +190,16 @@ def train_step(
     (_, (loss, probes, new_rest)), sgrads = jax.value_and_grad(scaled_loss, has_aux=True)(
         state.params
     )
+    inv_scale = 1.0 / scale
     grads = jax.tree_util.tree_map(
-        lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype), sgrads
+        lambda g: (g.astype(jnp.float32) * inv_scale).astype(g.dtype), sgrads
     )
     loss32 = jnp.asarray(loss, jnp.float32)
-    grads_finite = guard_lib.all_finite(sgrads)
+    # One sweep over the scaled gradients gives both their finiteness (a NaN or inf anywhere
+    # makes the sum non-finite) and the gradient norm. A sum that overflows f32 with finite
+    # gradients means scaled gradients past ~1e19: an overflow for the loss scale all the same.
+    sgrad_sq = guard_lib.sum_of_squares(sgrads)
+    grads_finite = jnp.isfinite(sgrad_sq)
     finite = jnp.isfinite(loss32) & grads_finite
     # A finite loss whose scaled gradients overflow is the dynamic loss scale's business: skip
     # and back off. Only when that repeats (or the loss itself is bad) is it an incident.
@@ -205,7 +210,7 @@ def train_step(
         & (guard_lib.skip_streak(state.opt_state) < OVERFLOW_GRACE)
     )
     incident = ~finite & ~overflow
-    grad_norm = guard_lib.global_norm(grads)
+    grad_norm = jnp.where(grads_finite, jnp.sqrt(sgrad_sq) * inv_scale, jnp.inf)
 
     probes = dict(probes)
     probes["loss"] = det_lib.stats(loss)
@@ -220,10 +225,9 @@ def train_step(
     updates, opt_state = state.tx.update(
         grads, state.opt_state, state.params, gear=new_gs, finite=finite, grad_norm=grad_norm
     )
-    applied = optax_lib.apply_updates(state.params, updates)
-    ok = finite & guard_lib.all_finite(applied)
-    params = guard_lib.select_tree(ok, applied, state.params)
     update_norm = guard_lib.global_norm(updates)
+    ok = finite & jnp.isfinite(update_norm)
+    params = guard_lib.select_tree(ok, optax_lib.apply_updates(state.params, updates), state.params)
     update_stats = _scalar_stats(update_norm, jnp.zeros([], jnp.float32), ~ok)
 
     new_step = state.step + 1
