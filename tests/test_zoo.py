@@ -1,0 +1,70 @@
+"""The fault zoo (benchmarks/zoo.py): one real scenario in `make test`, the full sweep slow."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+_ZOO = Path(__file__).resolve().parents[1] / "benchmarks" / "zoo.py"
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    spec = importlib.util.spec_from_file_location("zoo", _ZOO)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["zoo"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_scenarios_are_complete(zoo):
+    assert len(zoo.SCENARIOS) >= 8
+    for sc in zoo.SCENARIOS.values():
+        assert sc.model in zoo.MODELS and sc.mechanism
+        faulty, clean = sc.batches(20, True), sc.batches(20, False)
+        assert len(faulty) == len(clean) == 20
+
+
+def test_ln_const_rows_nan2safe_survives_and_names_the_norm(zoo, tmp_path):
+    """LayerNorm eps=0 on constant fp16 rows: plain dies, nan2safe locates the norm's rsqrt."""
+    recs = zoo.run_scenario(
+        "ln_const_rows", steps=60, arms=("plain", "nan2safe"), reference=False, workdir=tmp_path
+    )
+    by_arm = {r["arm"]: r for r in recs}
+    plain, n2s = by_arm["plain"], by_arm["nan2safe"]
+    assert not plain["survived"] and plain["died_at"] is not None
+    assert n2s["survived"], n2s
+    assert n2s["culprit_correct"] is True, n2s["culprit"]
+    assert n2s["culprit"].startswith("norm:")
+    assert n2s["steps_lost"] <= 4
+
+
+def test_data_nan_is_polluted_input(zoo, tmp_path):
+    """A NaN in one batch: nan2safe calls it polluted input (no op blamed) and survives."""
+    recs = zoo.run_scenario(
+        "data_nan", steps=50, arms=("plain", "nan2safe"), reference=False, workdir=tmp_path
+    )
+    by_arm = {r["arm"]: r for r in recs}
+    assert not by_arm["plain"]["survived"]
+    n2s = by_arm["nan2safe"]
+    assert n2s["survived"] and n2s["polluted_input_reported"]
+    assert n2s["culprit"] == "polluted_input" and n2s["culprit_correct"] is None
+
+
+@pytest.mark.slow
+def test_quick_sweep(zoo, tmp_path):
+    """The whole --quick sweep: nan2safe survives what kills plain, culprits right."""
+    out = tmp_path / "zoo.json"
+    assert zoo.main(["--quick", "--json", str(out)]) == 0
+    recs = json.loads(out.read_text())
+    assert {r["scenario"] for r in recs} == set(zoo.SCENARIOS)
+    for name in zoo.SCENARIOS:
+        by_arm = {r["arm"]: r for r in recs if r["scenario"] == name}
+        n2s = by_arm["nan2safe"]
+        if not by_arm["plain"]["survived"]:
+            assert n2s["survived"], name
+        assert n2s["culprit_correct"] in (True, None), (name, n2s["culprit"])
