@@ -38,11 +38,13 @@ _LOGGED = ("loss", "risk", "loss_scale", "grad_norm", "nonfinite")
 
 
 class NanIncidentError(RuntimeError):
-    """Raised after ``cfg.max_incidents`` non-finite incidents; ``.report`` is the last one."""
+    """Raised after ``cfg.max_incidents`` non-finite incidents; ``.report`` is the last one,
+    ``.history`` the per-step metrics of the interrupted ``fit`` call."""
 
     def __init__(self, message: str, report=None):
         super().__init__(message)
         self.report = report
+        self.history: list[dict] = []  # the metrics of the interrupted fit call
 
 
 def _check_workdir(workdir) -> Path:
@@ -235,6 +237,9 @@ class Trainer:
                     bar.update(history[-1])
                 if self._redo is not None:
                     self.state, self._redo = self._redo, None
+        except NanIncidentError as err:
+            err.history = history
+            raise
         finally:
             if bar:
                 bar.close()

@@ -26,7 +26,7 @@ from nan2safe_jax.gear import GearState
 from nan2safe_jax.site import Probe, name_sites, site_gears
 
 BUILTIN_PROBES = ("loss", "grad_norm", "update_norm")
-OVERFLOW_GRACE = 8  # consecutive loss-scale overflows absorbed (a 256x back-off) before an incident
+OVERFLOW_GRACE = 8  # loss-scale overflows in a row (a 256x back-off) before the first downshift
 
 
 def _path_name(path) -> str:
@@ -203,13 +203,18 @@ def train_step(
     finite = jnp.isfinite(loss32) & grads_finite
     # A finite loss whose scaled gradients overflow is the dynamic loss scale's business: skip
     # and back off. Only when that repeats (or the loss itself is bad) is it an incident.
+    # After OVERFLOW_GRACE overflows in a row the first downshift also cuts the scale by
+    # 1/256 (a loss scale far too large, e.g. 2**24 in fp16); only past twice that is it an
+    # incident for tier 2.
+    streak = guard_lib.skip_streak(state.opt_state)
     overflow = (
         jnp.isfinite(loss32)
         & ~grads_finite
         & (scale > cfg.loss_scale_min)
-        & (guard_lib.skip_streak(state.opt_state) < OVERFLOW_GRACE)
+        & (streak < 2 * OVERFLOW_GRACE)
     )
     incident = ~finite & ~overflow
+    downshift_now = incident | (overflow & (streak >= OVERFLOW_GRACE))
     grad_norm = jnp.where(grads_finite, jnp.sqrt(sgrad_sq) * inv_scale, jnp.inf)
 
     probes = dict(probes)
@@ -220,7 +225,7 @@ def train_step(
     probes["update_norm"] = state.update_stats
     lr = None if lr_schedule is None else lr_schedule(state.step)
     det, risk = det_lib.update(state.detector, probes, cfg, lr=lr)
-    new_gs = gear_lib.decide(gs, risk.risk, incident, cfg, calm=risk.calm)
+    new_gs = gear_lib.decide(gs, risk.risk, downshift_now, cfg, calm=risk.calm)
 
     updates, opt_state = state.tx.update(
         grads, state.opt_state, state.params, gear=new_gs, finite=finite, grad_norm=grad_norm

@@ -124,6 +124,7 @@ def test_max_incidents_stops_with_the_last_report(tmp_path):
     with pytest.raises(NanIncidentError) as info:
         tr.fit(_batches(12, bad=bad), steps=12)
     assert info.value.report is not None
+    assert len(info.value.history) >= cfg.max_incidents  # the steps before the last incident
 
 
 def test_bad_workdir_and_bad_loss_are_clear_errors(tmp_path):
