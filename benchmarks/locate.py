@@ -13,8 +13,9 @@ layer under ``jax.checkpoint``. Three faults, each injected in layer 2:
 
 For each case, in fresh subprocesses (so no compile is shared): ``locate`` cold (trace + every
 compile) and warm (same jaxpr again), and ``jax_debug_nans`` cold (first call of a fresh ``jit``
-with the flag on: compile, run, de-optimized re-run) and warm, with what each names. Also whether
-``jax_debug_nans`` notices anything when switched on only after the step was compiled.
+with the flag on: compile, run, de-optimized re-run) and warm, with what each names; ``retr`` is
+a second incident on the same step, traced afresh (as the trainer does) and located again. Also
+whether ``jax_debug_nans`` notices anything when switched on only after the step was compiled.
 
 Usage: ``python benchmarks/locate.py [--json PATH] [--quick]``
 """
@@ -161,10 +162,15 @@ def child_locate(variant: str, fault: str) -> dict:
     t1 = time.perf_counter()
     replay.locate(jaxpr, args)
     warm = time.perf_counter() - t1
+    t2 = time.perf_counter()  # a second incident: the trainer traces the step afresh
+    r2 = replay.locate(jax.make_jaxpr(jax.jit(step))(*args), args)
+    retrace = time.perf_counter() - t2
+    assert r2.primitive == r.primitive and r2.source == r.source
     n = _count(jaxpr.jaxpr)
     return {
         "cold_s": cold,
         "warm_s": warm,
+        "retrace_s": retrace,
         "eqns": n,
         "primitive": r.primitive if r else None,
         "source": _short(r.source) if r else None,
@@ -282,7 +288,8 @@ def main() -> None:
             print(f"done {variant}/{fault}", file=sys.stderr, flush=True)
 
     hdr = (
-        f"{'variant':9} {'fault':12} {'eqns':>5} | {'locate cold':>11} {'warm':>6} {'rpl':>3} "
+        f"{'variant':9} {'fault':12} {'eqns':>5} | {'locate cold':>11} {'warm':>6} {'retr':>5} "
+        f"{'rpl':>3} "
         f"{'names':34} ok | {'debug_nans cold':>15} {'warm':>6} {'names':28} ok | late switch"
     )
     print(hdr)
@@ -296,7 +303,8 @@ def main() -> None:
         nn = f"{na['primitive']}@{na['source']}"
         print(
             f"{r['variant']:9} {r['fault']:12} {lo['eqns']:>5} | {lo['cold_s']:>10.2f}s "
-            f"{lo['warm_s']:>5.2f}s {lo['replays']:>3} {ln:34} "
+            f"{lo['warm_s']:>5.2f}s {lo.get('retrace_s', float('nan')):>4.2f}s "
+            f"{lo['replays']:>3} {ln:34} "
             f"{'Y' if r['locate_correct'] else 'N'}"
             f"  | {na['cold_s']:>14.2f}s {na['warm_s']:>5.2f}s {nn:28} "
             f"{'Y' if r['nans_correct'] else 'N'}  | {na['late_switch']}"

@@ -408,6 +408,54 @@ def test_locate_step_on_jitted_train_step():
     clean = locate_step(step, w, jnp.ones((4, 3)))
     assert not clean.reproducible and clean.diagnosis == replay.NOT_REPRODUCIBLE
     assert "not reproducible" in str(clean)
+    assert clean.replays == 1  # the one flags replay that found nothing
+
+
+def test_second_incident_on_a_fresh_trace_reuses_compiled_replays():
+    from jax import monitoring
+
+    def loss(w, x):
+        return jnp.log(jnp.tanh(x @ w) + 0.5).sum()
+
+    step = jax.jit(jax.grad(loss))
+    w, x = jnp.eye(3) * 2.0, jnp.ones((4, 3)).at[2].set(-1.0)
+    first = locate_step(step, w, x)
+    compiles = []
+    monitoring.register_event_duration_secs_listener(
+        lambda ev, d, **kw: compiles.append(ev) if ev.endswith("backend_compile_duration") else None
+    )
+    again = locate_step(step, w, x.at[2].set(-2.0))  # traced afresh, same structure
+    assert again.primitive == first.primitive == "log" and again.channels == {0: [2], 1: [0, 1, 2]}
+    assert compiles == [], compiles
+
+
+def test_channels_are_capped():
+    x = jnp.full((2, 300), -1.0).at[1].set(1.0)
+    r = locate(jax.make_jaxpr(lambda x: jnp.log(x).sum())(x), (x,))
+    assert r.channels[0] == [0] and r.channels[1] == list(range(64))
+    assert r.channels_truncated == {1: 300}
+    assert "300 indices, first 64 kept" in str(r)
+    assert r.to_dict()["channels_truncated"] == {"1": 300}
+
+
+def _pallas_div_kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = x_ref[...] / y_ref[...]
+
+
+def test_opaque_pallas_call_is_named_and_not_entered():
+    from jax.experimental import pallas as pl
+
+    def f(x, y):
+        out = pl.pallas_call(  # FAULT:pallas
+            _pallas_div_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True
+        )(x, y)
+        return (out * 2).sum()
+
+    x, y = jnp.ones((8, 128)), jnp.ones((8, 128)).at[3, 5].set(0.0)
+    r = _check(f, (x, y), "pallas_call", "pallas", "inf")
+    assert "could not enter pallas_call: the fault is inside it" in r.explanation
+    assert r.diagnosis == "other"
+    assert r.channels == {0: [3], 1: [5]}
 
 
 def test_report_is_frozen_and_json_safe():

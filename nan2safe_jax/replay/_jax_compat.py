@@ -35,6 +35,7 @@ __all__ = [
     "empty_name_stack",
     "eqn_name_stack",
     "eqn_user_source",
+    "has_sub_jaxpr",
     "is_literal",
     "jit_with_options",
     "literal_value",
@@ -86,6 +87,29 @@ def call_body(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
     return None
 
 
+def has_sub_jaxpr(eqn: Any) -> bool:
+    """Whether any parameter of ``eqn`` is a jaxpr (a higher-order primitive: ``pallas_call``,
+    ``shard_map``, ``custom_transpose``, ``linear_call``, ``run_state``, ``xla_pmap`` ...)."""
+
+    def is_jaxpr(v: Any) -> bool:
+        if isinstance(v, (Jaxpr, ClosedJaxpr)):
+            return True
+        return isinstance(v, (tuple, list)) and any(isinstance(x, (Jaxpr, ClosedJaxpr)) for x in v)
+
+    return any(is_jaxpr(v) for v in eqn.params.values())
+
+
+def _scan_counts(p: dict[str, Any]) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a scan: explicit in jax 0.10; in jax >= 0.11 the params
+    hold ``ft_in = (consts, carry, xs)`` groups instead (constant carries are hoisted into the
+    consts and forwarded outputs are dropped from the equation, matching the body)."""
+    if "num_consts" in p:
+        return p["num_consts"], p["num_carry"]
+    ft_in = p["ft_in"]  # a jax._src.flattree.FlatTree of (consts, carry, xs) groups
+    consts, carry, _ = ft_in.unpack() if hasattr(ft_in, "unpack") else ft_in
+    return len(consts), len(carry)
+
+
 def scan_params(eqn: Any) -> dict[str, Any]:
     """Normalized parameters of a ``scan`` equation."""
     p = eqn.params
@@ -93,8 +117,8 @@ def scan_params(eqn: Any) -> dict[str, Any]:
     return dict(
         jaxpr=jaxpr,
         consts=consts,
-        num_consts=p["num_consts"],
-        num_carry=p["num_carry"],
+        num_consts=_scan_counts(p)[0],
+        num_carry=_scan_counts(p)[1],
         length=p["length"],
         reverse=p.get("reverse", False),
         unroll=p.get("unroll", 1),

@@ -21,7 +21,8 @@ How (one instrumented pass per nesting level, then one capture pass):
     that iteration's body inputs; for a ``cond`` the branch index and operands. The localizer then
     descends into the loop body / branch with those inputs and repeats.
   Each jitted pass is one *replay* (``Report.replays``): 2 per nesting level, ~2-8 in total for a
-  train step, well under ``3 * log2(N)``. Compiled passes are cached within one ``locate`` call.
+  train step, well under ``3 * log2(N)``. Compiled passes are cached by the program's structure,
+  so a second incident on a freshly traced copy of the same step compiles nothing.
 
 JAX internals are isolated in ``_jax_compat``.
 """
@@ -44,7 +45,7 @@ from nan2safe_jax.replay.report import (
     EqnRef,
     Report,
     array_stats,
-    channels_of,
+    channel_scan,
     diagnose,
     direction_of,
 )
@@ -474,28 +475,57 @@ _NO_FUSION = "fusion,priority-fusion,multi_output_fusion"
 
 
 def _compiler_options() -> dict[str, Any]:
-    """XLA options for replays: no fusion; on GPU also deterministic ops (SPEC tier 2 step 2)."""
+    """XLA options for replays: no fusion; on GPU also deterministic ops (SPEC tier 2 step 2).
+
+    On CPU also LLVM optimization level 0: it cuts a train step's replay compile by ~30-40% and
+    changes results only at the rounding level, as unfused compilation already does (measured on
+    the benchmark's train steps: at most 1.5e-7 of each output's max, no flag changed). Not used:
+    ``xla_cpu_use_fusion_emitters=False`` compiles 5x faster but computes multi-axis contractions
+    wrongly when fusion is off (jax 0.10.2), and fusion on is quadratic (see ``_NO_FUSION``).
+    """
     opts: dict[str, Any] = {"xla_disable_hlo_passes": _NO_FUSION}
-    if jax.default_backend() == "gpu":
+    backend = jax.default_backend()
+    if backend == "gpu":
         opts["xla_gpu_deterministic_ops"] = True
+    elif backend == "cpu":
+        opts["xla_backend_optimization_level"] = 0
     return opts
 
 
-# Compiled replays, reused when the same jaxpr object is located again (the supervisor replays
-# several ring-buffer steps of one traced step): {id(top jaxpr): (jaxpr, {key: jitted})}.
-_JIT_CACHE: dict[int, tuple[Any, dict[Any, Any]]] = {}
+# Compiled replays, reused when a structurally identical program is located again: the supervisor
+# replays several ring-buffer steps of one traced step, and traces the step afresh per incident.
+# {fingerprint of the top jaxpr: {structural key of a replay: jitted}}. The fingerprint is the
+# printed jaxpr (equations, parameters, literals, shapes) plus the constants' shapes and dtypes:
+# constants are arguments of every replay, so their values may differ. A jaxpr whose printout
+# holds an object address (a function-valued parameter) simply misses.
+_JIT_CACHE: dict[str, dict[Any, Any]] = {}
 _JIT_CACHE_SIZE = 4
 
 
+def _fingerprint(top: Any) -> str:
+    jaxpr, consts = jc.open_jaxpr(top)
+    avals = [(np.shape(c), str(jnp.result_type(c))) for c in consts]
+    return f"{jaxpr}\n{avals}"
+
+
 def _jits_for(top: Any) -> dict[Any, Any]:
-    hit = _JIT_CACHE.get(id(top))
-    if hit is not None and hit[0] is top:
-        return hit[1]
+    key = _fingerprint(top)
+    hit = _JIT_CACHE.get(key)
+    if hit is not None:
+        return hit
     while len(_JIT_CACHE) >= _JIT_CACHE_SIZE:
         _JIT_CACHE.pop(next(iter(_JIT_CACHE)))
     jits: dict[Any, Any] = {}
-    _JIT_CACHE[id(top)] = (top, jits)
+    _JIT_CACHE[key] = jits
     return jits
+
+
+def _jit_key(level: Any) -> Any:
+    """``level`` without loop iterations: every iteration of a loop body shares one replay."""
+    if not isinstance(level, tuple):
+        return level
+    parent, k, step = level
+    return (_jit_key(parent), k, "iter" if step[0] == "iter" else step)
 
 
 class _Session:
@@ -511,15 +541,16 @@ class _Session:
         if jitted is None:
             jitted = self._jits[key] = jc.jit_with_options(fn, self._options)
         self.replays += 1
-        try:
-            out = jitted(*args)
-        except Exception:  # noqa: BLE001 - an unknown compiler option: replay without it
-            if not self._options:
-                raise
-            self._options = None
-            jitted = self._jits[key] = jax.jit(fn)
-            out = jitted(*args)
-        return jax.device_get(out)
+        while True:
+            try:
+                return jax.device_get(jitted(*args))
+            except Exception as e:  # noqa: BLE001 - an unknown compiler option: drop it, retry
+                bad = [o for o in self._options or () if f"'{o}'" in str(e)]
+                if not self._options or "compile option" not in str(e):
+                    raise
+                for o in bad or list(self._options):
+                    self._options.pop(o)
+                jitted = self._jits[key] = jc.jit_with_options(fn, self._options)
 
     def flags(self, level: Any, jaxpr: Any, consts: list, args: list, ns: Any, top: bool) -> _Flags:
         cached = self._flags.get(level)
@@ -540,7 +571,7 @@ class _Session:
             return root, nan, iters, in_fin
 
         root, nan, iters, in_fin = self._call(
-            ("flags", id(jaxpr), top), fn, list(consts), list(args)
+            ("flags", _jit_key(level), top), fn, list(consts), list(args)
         )
         out = _Flags(
             np.asarray(root),
@@ -574,7 +605,7 @@ class _Session:
                 return stop.payload
             raise RuntimeError(f"replay: flat equations {want} not reached")  # pragma: no cover
 
-        key = ("capture", id(jaxpr), tuple(sorted(want.items())))
+        key = ("capture", _jit_key(level), tuple(sorted(want.items())))
         out = self._call(key, fn, list(consts), list(args))
         for k, it in want.items():
             self._captured[(level, k, it)] = out[k]
@@ -611,8 +642,8 @@ def _search(
                 bj, bc = wp["body_jaxpr"], wp["body_consts"]
             sub_path = (*path, ("iter", t))
             found = _search(
-                sess, (level, k, t), bj, list(bc), list(body_args), item.name_stack, sub_path,
-                mode, depth=depth + 1,
+                sess, (level, k, ("iter", t)), bj, list(bc), list(body_args), item.name_stack,
+                sub_path, mode, depth=depth + 1,
             )  # fmt: skip
         elif item.kind == "cond":
             vals = sess.capture(level, jaxpr, consts, args, ns, k, None)
@@ -620,8 +651,8 @@ def _search(
             bj, bc = jc.cond_branches(item.eqn)[b]
             sub_path = (*path, ("branch", b))
             found = _search(
-                sess, (level, k, b), bj, list(bc), list(vals[1:]), item.name_stack, sub_path,
-                mode, depth=depth + 1,
+                sess, (level, k, ("branch", b)), bj, list(bc), list(vals[1:]), item.name_stack,
+                sub_path, mode, depth=depth + 1,
             )  # fmt: skip
         else:
             invals, outvals = sess.capture(level, jaxpr, consts, args, ns, k, None)
@@ -682,6 +713,11 @@ def locate(jaxpr: Any, args: Any) -> Report | None:
     Raises:
       ValueError: if ``args`` does not have one leaf per input of ``jaxpr``.
     """
+    return _run(jaxpr, args)[0]
+
+
+def _run(jaxpr: Any, args: Any) -> tuple[Report | None, int]:
+    """``locate``, and the number of replays it ran."""
     t0 = time.perf_counter()
     top_jaxpr, consts = jc.open_jaxpr(jaxpr)
     leaves_with_path, _ = jax.tree_util.tree_flatten_with_path(args)
@@ -693,6 +729,12 @@ def locate(jaxpr: Any, args: Any) -> Report | None:
             "locate(jax.make_jaxpr(f)(*args), args)"
         )
     sess = _Session(jaxpr)
+    return _locate(sess, jaxpr, leaves_with_path, t0), sess.replays
+
+
+def _locate(sess: _Session, jaxpr: Any, leaves_with_path: list, t0: float) -> Report | None:
+    top_jaxpr, consts = jc.open_jaxpr(jaxpr)
+    leaves = [leaf for _, leaf in leaves_with_path]
     ns = jc.empty_name_stack()
     fl = sess.flags("top", top_jaxpr, list(consts), leaves, ns, top=True)
 
@@ -702,6 +744,7 @@ def locate(jaxpr: Any, args: Any) -> Report | None:
         a = np.asarray(leaf).astype(np.float64)
         kind = "nan" if np.isnan(a).any() else "inf"
         stats = array_stats(leaf)
+        chans, cut = channel_scan(leaf)
         keystr = jax.tree_util.keystr(path)
         return Report(
             primitive=None,
@@ -713,7 +756,8 @@ def locate(jaxpr: Any, args: Any) -> Report | None:
             first_nan=None,
             eqn_path=(),
             inputs=[stats],
-            channels=channels_of(leaf),
+            channels=chans,
+            channels_truncated=cut,
             diagnosis="polluted input",
             explanation=(
                 f"argument {keystr} already holds {stats['nonfinite']} non-finite value(s) "
@@ -749,14 +793,16 @@ def locate(jaxpr: Any, args: Any) -> Report | None:
     in_stats = [array_stats(v, lit) for v, lit in zip(found.invals, literal, strict=True)]
     out = found.outvals[oi] if oi is not None else found.outvals[0]
     kind = kind or ("nan" if mode == "nan" else "inf")
+    chans, cut = channel_scan(out, nan_only=mode == "nan")
     diagnosis, why = diagnose(ref.primitive, found.invals, out, kind, in_stats)
     if mode == "nan":
         why += (
             "; its inputs already held +-inf from a non-finite constant or literal "
             "(e.g. a -inf mask fill on a fully masked row), so no equation made the inf"
         )
-    if found.item.kind != "prim" or jc.call_body(found.item.eqn) is not None:
-        why += f" (could not enter higher-order primitive {ref.primitive})"
+    if jc.has_sub_jaxpr(found.item.eqn):  # an opaque higher-order primitive was blamed
+        diagnosis = "other"
+        why = f"could not enter {ref.primitive}: the fault is inside it ({why})"
     return Report(
         primitive=ref.primitive,
         source=ref.source,
@@ -767,7 +813,8 @@ def locate(jaxpr: Any, args: Any) -> Report | None:
         first_nan=first_nan,
         eqn_path=ref.eqn_path,
         inputs=in_stats,
-        channels=channels_of(out, nan_only=mode == "nan"),
+        channels=chans,
+        channels_truncated=cut,
         diagnosis=diagnosis,
         explanation=why,
         replays=sess.replays,
@@ -791,7 +838,7 @@ def locate_step(step_fn: Any, *args: Any) -> Report:
     """
     t0 = time.perf_counter()
     jaxpr = jax.make_jaxpr(step_fn)(*args)
-    report = locate(jaxpr, args)
+    report, replays = _run(jaxpr, args)
     if report is not None:
         return report
     return Report(
@@ -809,7 +856,7 @@ def locate_step(step_fn: Any, *args: Any) -> Report:
         explanation=(
             "a deterministic replay of the step from the same inputs produced only finite values"
         ),
-        replays=1,
+        replays=replays,
         seconds=time.perf_counter() - t0,
         reproducible=False,
     )

@@ -15,6 +15,7 @@ import numpy as np
 
 DIAGNOSES = ("overflow", "0/0", "division by ~0", "log/sqrt domain", "polluted input", "other")
 NOT_REPRODUCIBLE = "not reproducible: suspect hardware or non-determinism"
+CHANNEL_LIMIT = 64  # indices kept per axis in Report.channels
 
 # Primitives whose non-finite result from finite inputs means "argument outside the domain".
 _DOMAIN_PRIMS = frozenset(
@@ -70,7 +71,10 @@ class Report:
         appends its index, a loop iteration appends ``("iter", t)`` (t indexes the scanned axis /
         counts while-iterations), a ``cond`` appends ``("branch", b)``.
       inputs: per-input statistics (shape, dtype, min, max, max_abs, min_abs, nonfinite, literal).
-      channels: ``{axis: sorted indices along that axis holding non-finite output values}``.
+      channels: ``{axis: sorted indices along that axis holding non-finite output values}``, at
+        most ``CHANNEL_LIMIT`` (the first ones) per axis.
+      channels_truncated: ``{axis: number of bad indices}`` for each axis whose list in
+        ``channels`` was cut at ``CHANNEL_LIMIT``; empty when every list is complete.
       diagnosis: one of ``DIAGNOSES`` (or ``NOT_REPRODUCIBLE``).
       explanation: a human sentence with the numbers behind the diagnosis.
       replays: number of jitted segment evaluations this localization ran.
@@ -96,6 +100,7 @@ class Report:
     reproducible: bool = True
     input_path: str | None = None
     output_shape: tuple[int, ...] | None = None
+    channels_truncated: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (``json.dumps(report.to_dict())`` works)."""
@@ -103,6 +108,7 @@ class Report:
         d["eqn_path"] = _path_to_json(self.eqn_path)
         d["first_nan"] = self.first_nan.to_dict() if self.first_nan else None
         d["channels"] = {str(k): [int(i) for i in v] for k, v in self.channels.items()}
+        d["channels_truncated"] = {str(k): int(v) for k, v in self.channels_truncated.items()}
         d["inputs"] = [_json_safe(s) for s in self.inputs]
         d["output_shape"] = list(self.output_shape) if self.output_shape is not None else None
         return json.loads(json.dumps(d, default=_json_default))
@@ -125,7 +131,7 @@ class Report:
             if self.output_shape is not None:
                 lines.append(f"  output {self.output_shape}: non-finite at")
                 for ax, idx in self.channels.items():
-                    lines.append(f"    axis {ax}: {_abbrev(idx)}")
+                    lines.append(f"    axis {ax}: {_abbrev(idx, self.channels_truncated.get(ax))}")
             if self.first_nan is not None:
                 lines.append(f"  first NaN: {self.first_nan}")
             lines.append(f"  diagnosis: {self.diagnosis} — {self.explanation}")
@@ -188,16 +194,28 @@ def array_stats(x: Any, literal: bool = False) -> dict[str, Any]:
     return out
 
 
-def channels_of(x: Any, nan_only: bool = False) -> dict[int, list[int]]:
-    """``{axis: sorted indices along axis holding a non-finite (or NaN) value}`` of ``x``."""
+def channel_scan(
+    x: Any, nan_only: bool = False, limit: int = CHANNEL_LIMIT
+) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """``({axis: first <= limit sorted indices holding a non-finite (or NaN) value},
+    {axis: total count, for the axes cut at limit})`` of ``x``."""
     a = _as_np(np.asarray(x))
     bad = np.isnan(a) if nan_only else ~np.isfinite(a)
     chans: dict[int, list[int]] = {}
+    cut: dict[int, int] = {}
     for ax in range(bad.ndim):
         other = tuple(i for i in range(bad.ndim) if i != ax)
-        hit = bad.any(axis=other) if other else bad
-        chans[ax] = [int(i) for i in np.nonzero(hit)[0]]
-    return chans
+        hit = np.nonzero(bad.any(axis=other) if other else bad)[0]
+        chans[ax] = [int(i) for i in hit[:limit]]
+        if len(hit) > limit:
+            cut[ax] = int(len(hit))
+    return chans, cut
+
+
+def channels_of(x: Any, nan_only: bool = False) -> dict[int, list[int]]:
+    """``{axis: sorted indices along axis holding a non-finite (or NaN) value}`` of ``x``, at most
+    ``CHANNEL_LIMIT`` per axis (see ``channel_scan`` for the counts of the cut axes)."""
+    return channel_scan(x, nan_only)[0]
 
 
 def _finfo_max(dtype: str) -> float | None:
@@ -294,10 +312,11 @@ def _path_str(path: tuple) -> str:
     return "/".join(f"{p[0]}={p[1]}" if isinstance(p, tuple) else str(p) for p in path) or "-"
 
 
-def _abbrev(idx: list[int], n: int = 12) -> str:
-    if len(idx) <= n:
+def _abbrev(idx: list[int], total: int | None = None, n: int = 12) -> str:
+    kept = f"{total} indices, first {len(idx)} kept" if total else f"{len(idx)} indices"
+    if len(idx) <= n and not total:
         return str(idx)
-    return f"{idx[: n // 2]} ... {idx[-n // 2 :]} ({len(idx)} indices)"
+    return f"{idx[: n // 2]} ... {idx[-n // 2 :]} ({kept})"
 
 
 def _stats_str(s: dict) -> str:
