@@ -23,14 +23,10 @@ from nan2safe_jax import sharding as sharding_lib
 from nan2safe_jax.config import Config
 from nan2safe_jax.detector import DetectorState
 from nan2safe_jax.gear import GearState
-from nan2safe_jax.site import Probe, name_sites, site_gears
+from nan2safe_jax.site import Probe, _path_name, name_sites, site_gears
 
 BUILTIN_PROBES = ("loss", "grad_norm", "update_norm")
 OVERFLOW_GRACE = 8  # loss-scale overflows in a row (a 256x back-off) before the first downshift
-
-
-def _path_name(path) -> str:
-    return ".".join(str(p) for p in path)
 
 
 def collect_probes(model: nnx.Module) -> dict[str, jax.Array]:
