@@ -272,3 +272,29 @@ def pad2d(x: jax.Array, rows_pad: int, cols_pad: int, value: Any = 0) -> jax.Arr
     if (r, c) == (rows_pad, cols_pad):
         return x
     return jnp.pad(x, ((0, rows_pad - r), (0, cols_pad - c)), constant_values=value)
+
+
+def row_pallas_call(kernel, args, in_specs, *, rows_pad, cols_pad, bm, out_dtype, interpret, name):
+    """Launches a row kernel over ``rows_pad // bm`` blocks of ``bm`` full rows.
+
+    Returns the kernel's two outputs: the ``[rows_pad, cols_pad]`` result in ``out_dtype`` and
+    the ``[rows_pad, 1]`` int32 count of non-finite inputs per row.
+    """
+    from jax.experimental import pallas as pl
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((rows_pad, cols_pad), out_dtype),
+            jax.ShapeDtypeStruct((rows_pad, 1), jnp.int32),
+        ),
+        grid=(rows_pad // bm,),
+        in_specs=in_specs,
+        out_specs=(
+            pl.BlockSpec((bm, cols_pad), lambda i: (i, 0)),
+            pl.BlockSpec((bm, 1), lambda i: (i, 0)),
+        ),
+        interpret=interpret,
+        compiler_params=compiler_params(interpret),
+        name=name,
+    )(*args)

@@ -133,20 +133,15 @@ def norm_rows(
         eps=float(eps),
         acc=acc,
     )
-    y, n = pl.pallas_call(
+    y, n = _common.row_pallas_call(
         kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct((rows_pad, cols_pad), out_dtype),
-            jax.ShapeDtypeStruct((rows_pad, 1), jnp.int32),
-        ),
-        grid=(rows_pad // bm,),
-        in_specs=in_specs,
-        out_specs=(
-            pl.BlockSpec((bm, cols_pad), lambda i: (i, 0)),
-            pl.BlockSpec((bm, 1), lambda i: (i, 0)),
-        ),
+        args,
+        in_specs,
+        rows_pad=rows_pad,
+        cols_pad=cols_pad,
+        bm=bm,
+        out_dtype=out_dtype,
         interpret=interpret,
-        compiler_params=_common.compiler_params(interpret),
         name=f"nan2safe_safe_{kind}_norm",
-    )(*args)
+    )
     return y[:rows, :cols], n[:rows, 0]

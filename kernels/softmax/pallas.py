@@ -104,22 +104,18 @@ def softmax_rows(
     if mask2d is not None:
         args.append(_common.pad2d(mask2d.astype(jnp.int8), rows_pad, cols_pad))
         in_specs.append(pl.BlockSpec((bm, cols_pad), lambda i: (i, 0)))
-    y, n = pl.pallas_call(
-        functools.partial(
-            _softmax_kernel, lanes=lanes, n_cols=cols, acc=acc, has_mask=mask2d is not None
-        ),
-        out_shape=(
-            jax.ShapeDtypeStruct((rows_pad, cols_pad), out_dtype),
-            jax.ShapeDtypeStruct((rows_pad, 1), jnp.int32),
-        ),
-        grid=(rows_pad // bm,),
-        in_specs=in_specs,
-        out_specs=(
-            pl.BlockSpec((bm, cols_pad), lambda i: (i, 0)),
-            pl.BlockSpec((bm, 1), lambda i: (i, 0)),
-        ),
+    kernel = functools.partial(
+        _softmax_kernel, lanes=lanes, n_cols=cols, acc=acc, has_mask=mask2d is not None
+    )
+    y, n = _common.row_pallas_call(
+        kernel,
+        args,
+        in_specs,
+        rows_pad=rows_pad,
+        cols_pad=cols_pad,
+        bm=bm,
+        out_dtype=out_dtype,
         interpret=interpret,
-        compiler_params=_common.compiler_params(interpret),
         name="nan2safe_safe_softmax",
-    )(*args)
+    )
     return y[:rows, :cols], n[:rows, 0]

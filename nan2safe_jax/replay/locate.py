@@ -746,15 +746,8 @@ def _locate(sess: _Session, jaxpr: Any, leaves_with_path: list, t0: float) -> Re
         stats = array_stats(leaf)
         chans, cut = channel_scan(leaf)
         keystr = jax.tree_util.keystr(path)
-        return Report(
-            primitive=None,
-            source=None,
-            name_stack="",
-            site=None,
-            direction="forward",
+        return Report.no_equation(
             kind=kind,
-            first_nan=None,
-            eqn_path=(),
             inputs=[stats],
             channels=chans,
             channels_truncated=cut,
@@ -841,15 +834,8 @@ def locate_step(step_fn: Any, *args: Any) -> Report:
     report, replays = _run(jaxpr, args)
     if report is not None:
         return report
-    return Report(
-        primitive=None,
-        source=None,
-        name_stack="",
-        site=None,
-        direction="forward",
+    return Report.no_equation(
         kind=None,
-        first_nan=None,
-        eqn_path=(),
         inputs=[],
         channels={},
         diagnosis=NOT_REPRODUCIBLE,

@@ -102,6 +102,20 @@ class Report:
     output_shape: tuple[int, ...] | None = None
     channels_truncated: dict[int, int] = dataclasses.field(default_factory=dict)
 
+    @classmethod
+    def no_equation(cls, **fields: Any) -> Report:
+        """A report that blames no equation (polluted input, not reproducible)."""
+        base = dict(
+            primitive=None,
+            source=None,
+            name_stack="",
+            site=None,
+            direction="forward",
+            first_nan=None,
+            eqn_path=(),
+        )
+        return cls(**{**base, **fields})
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (``json.dumps(report.to_dict())`` works)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
