@@ -28,8 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nan2safe_jax import detector, nn
-from nan2safe_jax import ops as n2s_ops
+from nan2safe_jax import nn, probe
 
 B, T, D, H, FF, V, E, K = 8, 128, 256, 4, 1024, 256, 8, 2
 
@@ -102,13 +101,13 @@ def _modules(dtype):
 @contextlib.contextmanager
 def _probes_off():
     """Traces with every probe statistic replaced by zeros: the cost of the gear switch alone."""
-    zeros = lambda *a, **k: jnp.zeros(detector.NUM_STATS, jnp.float32)
-    saved = (n2s_ops._stats, nn.sampled_stats, nn.cheap_stats)
-    n2s_ops._stats, nn.sampled_stats, nn.cheap_stats = zeros, zeros, zeros
+    zeros = lambda *a, **k: jnp.zeros(probe.NUM_STATS, jnp.float32)
+    saved = (probe.op_stats, nn.sampled_stats, nn.cheap_stats)
+    probe.op_stats, nn.sampled_stats, nn.cheap_stats = zeros, zeros, zeros
     try:
         yield
     finally:
-        n2s_ops._stats, nn.sampled_stats, nn.cheap_stats = saved
+        probe.op_stats, nn.sampled_stats, nn.cheap_stats = saved
 
 
 def _step_fn(module, call, forward: bool, with_gear: bool):

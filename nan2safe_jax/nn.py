@@ -49,7 +49,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nan2safe_jax import detector, ops
+from nan2safe_jax import ops
+from nan2safe_jax import probe as probe_lib
+from nan2safe_jax.probe import cheap_stats, sampled_stats
 from nan2safe_jax.site import Probe, SiteGear, site_scope
 
 __all__ = [
@@ -65,7 +67,6 @@ __all__ = [
     "sampled_stats",
 ]
 
-PROBE_SAMPLE = 8192  # elements read by a sampled probe
 
 _default_kernel_init = nnx.initializers.lecun_normal()
 _default_embed_init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
@@ -77,35 +78,8 @@ class Knob(nnx.Variable):
     """A non-trainable f32 multiplier (1.0 by default) for fault injection; data, not code."""
 
 
-def cheap_stats(y: jax.Array) -> jax.Array:
-    """Probe statistics from one ``max(|y|)`` reduction: for Linear/Embed outputs.
-
-    Returns ``f32[NUM_STATS]`` laid out like ``detector.stats``: ``max_abs`` (the dtype's max
-    when a non-finite value is present), ``mean = var = 0`` (not computed), ``nonfinite`` as a
-    0/1 flag (not a count), ``headroom``.
-    """
-    m = jnp.max(jnp.abs(y)).astype(jnp.float32)  # NaN and inf propagate through max
-    finite = jnp.isfinite(m)
-    big = float(jnp.finfo(y.dtype).max) if jnp.issubdtype(y.dtype, jnp.floating) else 1.0
-    max_abs = jnp.where(finite, m, big)
-    z = jnp.zeros((), jnp.float32)
-    head = jnp.where(finite, m / big, 1.0)
-    return jnp.stack([max_abs, z, z, jnp.where(finite, 0.0, 1.0), head]).astype(jnp.float32)
-
-
-def sampled_stats(y: jax.Array, max_elements: int = PROBE_SAMPLE) -> jax.Array:
-    """``detector.stats`` of evenly strided rows of ``y`` (last axis = row), at most
-    ``max_elements`` values: a fixed, small cost whatever the batch. ``max_abs`` is a lower
-    bound of the full tensor's; a non-finite value in an unsampled row is not seen (the
-    per-row probes and the step's loss/gradient checks see those)."""
-    rows = y.reshape(-1, y.shape[-1]) if y.ndim > 1 else y.reshape(1, -1)
-    n = rows.shape[0]
-    stride = max(1, -(-(n * rows.shape[1]) // max_elements))
-    return detector.stats(rows[::stride])
-
-
 def _new_probe() -> Probe:
-    return Probe(jnp.zeros(detector.NUM_STATS, jnp.float32))
+    return Probe(probe_lib.zeros())
 
 
 def _compute_dtype(x: jax.Array, dtype, *params) -> jnp.dtype:

@@ -1,0 +1,54 @@
+"""Numerics shared by the SAFE paths: saturating casts and exact power-of-two range scaling."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_F32 = jnp.float32
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def _float_dtype(x: jax.Array) -> jnp.dtype:
+    dt = jnp.dtype(x.dtype)
+    return dt if jnp.issubdtype(dt, jnp.floating) else jnp.dtype(_F32)
+
+
+def _saturate(y: jax.Array, dtype) -> jax.Array:
+    """Casts ``y`` to ``dtype``, clipping to the dtype's finite range (NaN stays NaN)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.dtype(y.dtype) == dtype:
+        return y
+    if jnp.finfo(dtype).max < jnp.finfo(y.dtype).max:
+        big = float(jnp.finfo(dtype).max)
+        y = jnp.clip(y, -big, big)
+    return y.astype(dtype)
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+    """Exactly ``2.0**e`` in f32 for integer ``e`` (clipped to the normal range [-126, 127])."""
+    e = jnp.clip(e.astype(jnp.int32), -126, 127)
+    return lax.bitcast_convert_type(lax.shift_left(e + 127, jnp.int32(23)), _F32)
+
+
+def _range_exponent(x: jax.Array, axis=None, keepdims=False) -> jax.Array:
+    """``e`` with ``max|x| * 2**-e`` in [0.5, 1) (0 for an all-zero or non-finite max).
+
+    Dynamic range compression: multiplying by ``_pow2(-e)`` (and later by ``_pow2(e)``) is exact
+    in binary floating point, barring subnormals. Not differentiated (a constant factor).
+    """
+    amax = lax.stop_gradient(jnp.max(jnp.abs(x), axis=axis, keepdims=keepdims, initial=0.0))
+    _, e = jnp.frexp(amax)
+    return jnp.where(jnp.isfinite(amax), jnp.clip(e, -120, 120), 0).astype(jnp.int32)
+
+
+def _kernels():
+    from nan2safe_jax import kernels  # lazy: only the SAFE paths need it
+
+    return kernels
+
+
+def _check_rank(x: jax.Array, ndim: int, name: str, op: str) -> None:
+    if x.ndim != ndim:
+        raise ValueError(f"{op}: {name} must have rank {ndim}, got shape {x.shape}")

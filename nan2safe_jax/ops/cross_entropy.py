@@ -1,0 +1,94 @@
+"""Masked-mean softmax cross-entropy with FAST / STABLE / SAFE paths (returns f32)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from nan2safe_jax.ops._numerics import (
+    _F32,
+    _float_dtype,
+    _kernels,
+)
+from nan2safe_jax.ops.dispatch import switch
+
+
+def _masked_mean_plain(nll, mask):
+    nll = nll.astype(_F32)
+    if mask is None:
+        return jnp.mean(nll)
+    return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.sum(mask, dtype=_F32)  # no tokens: 0/0
+
+
+def _ce_fast(logits, labels, mask):
+    # probabilities, then log: a probability that underflows to 0 gives log 0 = -inf, and its
+    # gradient 0 · inf = NaN (the write-up's "log of 0"); all in the logits' dtype
+    probs = jax.nn.softmax(logits, axis=-1)
+    p = jnp.take_along_axis(probs, labels[..., None], axis=-1)[..., 0]
+    return _masked_mean_plain(-jnp.log(p), mask)
+
+
+def _ce_stable(logits, labels, mask):
+    logp = jax.nn.log_softmax(logits.astype(_F32), axis=-1)
+    nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    return _masked_mean_plain(nll, mask)
+
+
+def _ce_safe(logits, labels, mask):
+    kern = _kernels()
+    xf = logits.astype(_F32)
+    m = lax.stop_gradient(jnp.max(xf, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    z = xf - m  # <= 0; the max entry is exactly 0 so the sum below is >= 1 (never log 0)
+    s = kern.safe_sum(jnp.exp(z), axis=-1)
+    zl = jnp.take_along_axis(z, labels[..., None], axis=-1)[..., 0]
+    logp = zl - jnp.log(jnp.where(s >= 1.0, s, 1.0))  # where, not maximum: no split gradient
+    # clamp: a -inf label logit (log of an exactly-zero probability) counts as a finite loss
+    lo = -jnp.finfo(_F32).max
+    logp = jnp.where(logp > lo, logp, lo)
+    nll = -logp
+    valid = jnp.ones(nll.shape, bool) if mask is None else mask
+    nll = jnp.where(valid, nll, 0.0)
+    total = kern.safe_sum(nll)
+    count = jnp.sum(valid, dtype=_F32)
+    return jnp.where(count > 0, total / jnp.maximum(count, 1.0), 0.0)
+
+
+def cross_entropy(
+    logits: jax.typing.ArrayLike,
+    labels: jax.typing.ArrayLike,
+    gear: Any = 0,
+    mask: jax.typing.ArrayLike | None = None,
+) -> jax.Array:
+    """Mean softmax cross-entropy with integer labels, over the tokens where ``mask`` is True.
+
+    FAST: probabilities then log, in the logits' dtype (the write-up's "log of 0"): with logits
+    of ±1e5 the target's probability underflows to 0 and the loss is inf with NaN gradients;
+    an all-False mask is 0/0 = NaN. STABLE: ``log_softmax`` in f32. SAFE: f32 log-space with
+    a compensated denominator (>= 1, so never log 0), the loss of a -inf target logit clamped to
+    finite, a compensated masked mean, and 0 when no token is selected.
+
+    Args:
+      logits: ``[..., num_classes]``.
+      labels: integer ``[...]``.
+      gear: FAST/STABLE/SAFE.
+      mask: optional bool ``[...]``; True = count this token.
+
+    Returns:
+      f32 scalar.
+    """
+    logits, labels = jnp.asarray(logits), jnp.asarray(labels)
+    logits = logits.astype(_float_dtype(logits))
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"cross_entropy: labels must be integers, got {labels.dtype}")
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"cross_entropy: labels {labels.shape} must match logits {logits.shape} without "
+            "the class axis"
+        )
+    if mask is not None:
+        mask = jnp.broadcast_to(jnp.asarray(mask, bool), labels.shape)
+    return switch(gear, (_ce_fast, _ce_stable, _ce_safe), logits, labels.astype(jnp.int32), mask)

@@ -1,0 +1,156 @@
+"""Gear dispatch: one op, three paths, the gear as data.
+
+A Python int dispatches directly (no ``cond`` in the program); anything else, notably a traced
+int32 scalar inside ``jit``, goes through ``lax.switch``: one compile serves all three gears.
+``branch_site`` re-enters a site's name scope inside every branch so the localizer can name it,
+and ``_switch_fast_vjp`` keeps the FAST backward from paying for the untaken paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from nan2safe_jax.site import site_scope
+
+
+def _static_gear(gear: Any) -> int | None:
+    """The gear as a Python int when it is known at trace time, else None."""
+    if isinstance(gear, jax.core.Tracer):
+        return None
+    try:
+        g = operator.index(gear)
+    except TypeError:
+        return None
+    return g
+
+
+_BRANCH_SITE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "nan2safe_branch_site", default=None
+)
+
+
+@contextlib.contextmanager
+def branch_site(name: str | None):
+    """Re-enters ``site_scope(name)`` inside every ``lax.switch`` branch traced in this block.
+
+    Equations inside a ``cond`` branch carry a name stack *relative to the branch*, so without
+    this the site would only be named on the ``cond`` equation itself. ``nan2safe_jax.nn``
+    sites wrap their computation in ``site_scope(name)`` and ``branch_site(name)``, so every
+    equation of every gear's path names its site directly.
+    """
+    token = _BRANCH_SITE.set(name)
+    try:
+        yield
+    finally:
+        _BRANCH_SITE.reset(token)
+
+
+def _scoped(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapped(*args):
+        with site_scope(name):
+            return fn(*args)
+
+    return wrapped
+
+
+def switch(gear: Any, branches: Sequence[Callable[..., Any]], *operands: Any) -> Any:
+    """Runs ``branches[gear](*operands)``.
+
+    A Python int (or any concrete integer scalar) calls the branch directly; a traced gear goes
+    through ``lax.switch`` (index clamped to ``[0, len(branches) - 1]``, as ``lax.switch`` does).
+
+    Args:
+      gear: ``Gear`` / int, or an int32 scalar array (may be traced).
+      branches: one callable per gear (FAST, STABLE, SAFE).
+      *operands: passed to the branch; pytrees (``None`` allowed).
+
+    Raises:
+      ValueError: a Python int outside the branches, or a gear that is not a scalar.
+    """
+    g = _static_gear(gear)
+    if g is not None:
+        if isinstance(gear, int) and not 0 <= g < len(branches):
+            raise ValueError(
+                f"gear must be one of Gear.FAST/STABLE/SAFE (0..{len(branches) - 1}), got {gear!r}"
+            )
+        return branches[min(max(g, 0), len(branches) - 1)](*operands)
+    gear = jnp.asarray(gear)
+    if gear.ndim != 0:
+        raise ValueError(
+            f"gear must be a scalar, got shape {gear.shape}; a stacked site's gear (shape [L]) is "
+            "sliced per layer by nnx.scan, index it (gear[i]) when calling an op directly"
+        )
+    if not jnp.issubdtype(gear.dtype, jnp.integer):
+        gear = gear.astype(jnp.int32)
+    name = _BRANCH_SITE.get()
+    if name is not None:
+        branches = [_scoped(b, name) for b in branches]
+    return lax.switch(gear.astype(jnp.int32), tuple(branches), *operands)
+
+
+class _FastVJP(NamedTuple):
+    """The FAST path with a hand-written backward (see ``_switch_fast_vjp``)."""
+
+    fwd: Callable[..., Any]  # (*args) -> (out, residuals)
+    bwd: Callable[..., Any]  # (args, residuals, out_cotangent) -> arg cotangents
+    zeros: Callable[..., Any]  # (*args) -> residuals-shaped zeros
+
+
+def _switch_fast_vjp(gear, branches, fast: _FastVJP, *args):
+    """``switch`` whose backward does not pay for the paths it did not take.
+
+    Under ``jax.grad`` a plain ``lax.switch`` saves the union of every branch's residuals, the
+    untaken ones zero-filled: for a memory-bound op (a norm) that doubles the FAST step. Here
+    the forward saves the inputs plus FAST's own (small) residuals; the backward runs FAST's
+    hand-written VJP, or recomputes the STABLE / SAFE branch under ``jax.vjp`` (those gears can
+    afford a second forward). A Python-int gear dispatches directly with ordinary autodiff.
+    Not forward-mode differentiable (``custom_vjp``) with a traced gear.
+    """
+    g = _static_gear(gear)
+    if g is not None:
+        return switch(g, branches, *args)
+    gear = jnp.asarray(gear)
+    if gear.ndim != 0:
+        return switch(gear, branches, *args)  # raises the scalar error
+    gear = gear.astype(jnp.int32)
+    name = _BRANCH_SITE.get()
+    wrap = (lambda f: _scoped(f, name)) if name is not None else (lambda f: f)
+    branches = [wrap(b) for b in branches]
+
+    @jax.custom_vjp
+    def run(gear, args):
+        return lax.switch(gear, branches, *args)
+
+    def run_fwd(gear, args):
+        def others(i):
+            return lambda *a: (branches[i](*a), fast.zeros(*a))
+
+        out, res = lax.switch(gear, [wrap(fast.fwd), others(1), others(2)], *args)
+        return out, (gear, args, res)
+
+    def run_bwd(saved, ct):
+        gear, args, res = saved
+
+        def recompute(i):
+            def bwd(args, res, ct):
+                _, vjp = jax.vjp(branches[i], *args)
+                return vjp(ct)
+
+            return bwd
+
+        fast_bwd = wrap(lambda args, res, ct: fast.bwd(args, res, ct))
+        dargs = lax.switch(gear, [fast_bwd, recompute(1), recompute(2)], args, res, ct)
+        return None, tuple(dargs)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(gear, tuple(args))

@@ -1,0 +1,137 @@
+"""The probe vector: five statistics of one tensor, their names, and every producer of them.
+
+A probe is ``f32[NUM_STATS]``: ``max_abs``, ``mean``, ``var``, ``nonfinite``, ``headroom``
+(``max_abs / finfo(dtype).max``; 1 once an inf is present). The detector scores ``max_abs``
+against its EMA baseline and ``headroom`` against ``headroom_limit`` (docs/design.md, "Tier 1").
+Index a probe (or a stack of probes, ``[..., NUM_STATS]``) with the named indices below, never
+with bare integers.
+
+Producers, from most to least thorough:
+
+- ``stats``: every statistic of every element (one fused sweep); the reference.
+- ``op_stats``: ``stats`` behind ``stop_gradient``, for the probes the ops return.
+- ``sampled_stats``: ``stats`` of evenly strided rows, for large activations.
+- ``cheap_stats``: one ``max(|y|)`` reduction, for Linear / Embed outputs.
+- ``scalar_stats``: a scalar (a norm) laid out as a probe.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+STATS = ("max_abs", "mean", "var", "nonfinite", "headroom")
+NUM_STATS = len(STATS)
+MAX_ABS, MEAN, VAR, NONFINITE, HEADROOM = range(NUM_STATS)
+
+PROBE_SAMPLE = 8192  # elements read by a sampled probe
+
+
+class ProbeStats(NamedTuple):
+    """A named view of ``f32[..., NUM_STATS]``: each field is ``f32[...]``."""
+
+    max_abs: jax.Array
+    mean: jax.Array
+    var: jax.Array
+    nonfinite: jax.Array
+    headroom: jax.Array
+
+    @classmethod
+    def of(cls, s: jax.typing.ArrayLike) -> ProbeStats:
+        """Splits the last axis of ``s`` (``[..., NUM_STATS]``) into named fields."""
+        s = jnp.asarray(s)
+        return cls(*(s[..., i] for i in range(NUM_STATS)))
+
+
+def _finfo_max(dtype) -> float:
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return float(jnp.finfo(dtype).max)
+    return float(jnp.iinfo(dtype).max) if jnp.issubdtype(dtype, jnp.integer) else 1.0
+
+
+def stats(x: jax.typing.ArrayLike) -> jax.Array:
+    """Probe statistics of one tensor, computed on device with ``lax`` reductions.
+
+    One pass in f32 over the finite values only, so a NaN element is counted, not averaged in.
+    Every reduction reads the same input (count, sum, sum of squares, max, any-inf), so XLA
+    fuses them into one sweep; the variance is ``E[x^2] - E[x]^2`` clamped at 0, which is
+    plenty for a monitoring statistic.
+
+    Args:
+      x: any array.
+
+    Returns:
+      f32[NUM_STATS]: ``max_abs``, ``mean``, ``var``, ``nonfinite`` (count), ``headroom``
+      (``max_abs / finfo(x.dtype).max``; inf counts as headroom 1).
+    """
+    x = jnp.asarray(x)
+    xf = x.astype(jnp.float32)
+    finite = jnp.isfinite(xf)
+    xz = jnp.where(finite, xf, 0.0)
+    count = jnp.sum(finite, dtype=jnp.float32)
+    n = jnp.maximum(count, 1.0)
+    mean = jnp.sum(xz) / n
+    var = jnp.maximum(jnp.sum(jnp.square(xz)) / n - jnp.square(mean), 0.0)
+    max_abs = jnp.max(jnp.abs(xz), initial=0.0)
+    nonfinite = jnp.float32(x.size) - count
+    headroom = jnp.where(jnp.any(jnp.isinf(xf)), 1.0, max_abs / _finfo_max(x.dtype))
+    return jnp.stack([max_abs, mean, var, nonfinite, headroom]).astype(jnp.float32)
+
+
+def op_stats(x: jax.Array) -> jax.Array:
+    """``stats`` for an op's probe: monitoring only, so no gradient flows through it."""
+    return lax.stop_gradient(stats(x))
+
+
+def cheap_stats(y: jax.Array) -> jax.Array:
+    """Probe statistics from one ``max(|y|)`` reduction: for Linear/Embed outputs.
+
+    Returns ``f32[NUM_STATS]`` laid out like ``stats``: ``max_abs`` (the dtype's max when a
+    non-finite value is present), ``mean = var = 0`` (not computed), ``nonfinite`` as a 0/1
+    flag (not a count), ``headroom``.
+    """
+    m = jnp.max(jnp.abs(y)).astype(jnp.float32)  # NaN and inf propagate through max
+    finite = jnp.isfinite(m)
+    big = float(jnp.finfo(y.dtype).max) if jnp.issubdtype(y.dtype, jnp.floating) else 1.0
+    max_abs = jnp.where(finite, m, big)
+    z = jnp.zeros((), jnp.float32)
+    head = jnp.where(finite, m / big, 1.0)
+    return jnp.stack([max_abs, z, z, jnp.where(finite, 0.0, 1.0), head]).astype(jnp.float32)
+
+
+def sampled_stats(y: jax.Array, max_elements: int = PROBE_SAMPLE) -> jax.Array:
+    """``stats`` of evenly strided rows of ``y`` (last axis = row), at most ``max_elements``
+    values: a fixed, small cost whatever the batch. ``max_abs`` is a lower bound of the full
+    tensor's; a non-finite value in an unsampled row is not seen (the per-row probes and the
+    step's loss/gradient checks see those)."""
+    rows = y.reshape(-1, y.shape[-1]) if y.ndim > 1 else y.reshape(1, -1)
+    n = rows.shape[0]
+    stride = max(1, -(-(n * rows.shape[1]) // max_elements))
+    return stats(rows[::stride])
+
+
+def scalar_stats(value: jax.Array, headroom: jax.Array, nonfinite: jax.Array) -> jax.Array:
+    """A scalar (a gradient or update norm) as a probe: ``max_abs = |value|``, ``var = 0``.
+
+    Args:
+      value: the scalar; a non-finite value reads as 0 in ``max_abs`` / ``mean``.
+      headroom: f32 scalar to report as the headroom.
+      nonfinite: bool or count to report as ``nonfinite``.
+
+    Returns:
+      f32[NUM_STATS].
+    """
+    v = jnp.asarray(value, jnp.float32)
+    vz = jnp.where(jnp.isfinite(v), v, 0.0)
+    return jnp.stack(
+        [jnp.abs(vz), vz, jnp.zeros_like(vz), jnp.asarray(nonfinite, jnp.float32), headroom]
+    ).astype(jnp.float32)
+
+
+def zeros() -> jax.Array:
+    """An empty probe (all statistics 0): the value before the first write."""
+    return jnp.zeros([NUM_STATS], jnp.float32)
