@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
+
 from nan2safe_jax.kernels import _common
 from nan2safe_jax.kernels.norms import pallas, reference
 

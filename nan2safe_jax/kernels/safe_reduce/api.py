@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
+
 from nan2safe_jax.kernels import _common, _layout
 from nan2safe_jax.kernels.safe_reduce import pallas, reference
 

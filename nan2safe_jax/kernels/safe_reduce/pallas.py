@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
 from nan2safe_jax.kernels import _common
 
 

@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+
 from nan2safe_jax.kernels import _common
 
 
