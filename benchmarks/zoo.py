@@ -74,7 +74,7 @@ import nan2safe_jax as nan2safe  # noqa: E402
 from examples.demo import corpus  # noqa: E402
 from examples.transformer import Transformer, TransformerConfig, lm_loss, set_knob  # noqa: E402
 from nan2safe_jax import nn as n2s_nn  # noqa: E402
-from nan2safe_jax.optax import all_finite  # noqa: E402
+from nan2safe_jax.numerics import all_finite  # noqa: E402
 
 ARMS = ("plain", "recipe", "nan2safe")
 STALL = 50  # consecutive skipped steps that count as a stall (death)

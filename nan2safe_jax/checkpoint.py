@@ -19,11 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from nan2safe_jax.numerics import _is_key, tree_is_finite
+
 log = logging.getLogger(__name__)
-
-
-def _is_key(x) -> bool:
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _to_saveable(state) -> dict:
@@ -59,18 +57,6 @@ def _abstract(template) -> dict:
         return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
 
     return {k: spec(v) for k, v in _to_saveable(template).items()}
-
-
-def tree_is_finite(tree) -> bool:
-    """Host-side check: every floating leaf of ``tree`` is finite (one transfer per leaf)."""
-    for leaf in jax.tree_util.tree_leaves(tree):
-        if _is_key(leaf):
-            continue
-        a = np.asarray(leaf)
-        if np.issubdtype(a.dtype, np.inexact) or a.dtype.name == "bfloat16":
-            if not np.all(np.isfinite(a.astype(np.float32))):
-                return False
-    return True
 
 
 class Checkpointer:

@@ -51,7 +51,7 @@ def _locate(args) -> int:
 
 
 def _report(args) -> int:
-    from nan2safe_jax import report
+    from nan2safe_jax import runlog as report
 
     path = report.dashboard(args.workdir)
     report.print_summary(args.workdir)

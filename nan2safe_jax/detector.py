@@ -15,45 +15,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from nan2safe_jax.config import Config
-
-STATS = ("max_abs", "mean", "var", "nonfinite", "headroom")
-NUM_STATS = len(STATS)
-
-
-def _finfo_max(dtype) -> float:
-    dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.floating):
-        return float(jnp.finfo(dtype).max)
-    return float(jnp.iinfo(dtype).max) if jnp.issubdtype(dtype, jnp.integer) else 1.0
-
-
-def stats(x: jax.typing.ArrayLike) -> jax.Array:
-    """Probe statistics of one tensor, computed on device with ``lax`` reductions.
-
-    One pass in f32 over the finite values only, so a NaN element is counted, not averaged in.
-    Every reduction reads the same input (count, sum, sum of squares, max, any-inf), so XLA
-    fuses them into one sweep; the variance is ``E[x^2] - E[x]^2`` clamped at 0, which is
-    plenty for a monitoring statistic.
-
-    Args:
-      x: any array.
-
-    Returns:
-      f32[NUM_STATS]: ``max_abs``, ``mean``, ``var``, ``nonfinite`` (count), ``headroom``
-      (``max_abs / finfo(x.dtype).max``; inf counts as headroom 1).
-    """
-    x = jnp.asarray(x)
-    xf = x.astype(jnp.float32)
-    finite = jnp.isfinite(xf)
-    xz = jnp.where(finite, xf, 0.0)
-    count = jnp.sum(finite, dtype=jnp.float32)
-    n = jnp.maximum(count, 1.0)
-    mean = jnp.sum(xz) / n
-    var = jnp.maximum(jnp.sum(jnp.square(xz)) / n - jnp.square(mean), 0.0)
-    max_abs = jnp.max(jnp.abs(xz), initial=0.0)
-    nonfinite = jnp.float32(x.size) - count
-    headroom = jnp.where(jnp.any(jnp.isinf(xf)), 1.0, max_abs / _finfo_max(x.dtype))
-    return jnp.stack([max_abs, mean, var, nonfinite, headroom]).astype(jnp.float32)
+from nan2safe_jax.probe import HEADROOM, MAX_ABS, NONFINITE, NUM_STATS
+from nan2safe_jax.probe import STATS as STATS  # the probe vector lives in nan2safe_jax.probe
+from nan2safe_jax.probe import stats as stats
 
 
 class DetectorState(struct.PyTreeNode):
@@ -150,7 +114,7 @@ def update(
         s = stack_stats(probe_stats, state.names)
     else:
         s = jnp.asarray(probe_stats, jnp.float32).reshape(len(state.names), NUM_STATS)
-    x, headroom, bad = s[:, 0], s[:, 4], s[:, 3]
+    x, headroom, bad = s[:, MAX_ABS], s[:, HEADROOM], s[:, NONFINITE]
     finite = (bad == 0) & jnp.isfinite(x)
 
     cooldown = state.cooldown

@@ -20,51 +20,10 @@ import optax
 from nan2safe_jax import gear as gear_lib
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear, GearState
-
-MAX_I32 = gear_lib.MAX_I32
-
-
-def all_finite(tree) -> jax.Array:
-    """bool[]: every floating leaf of ``tree`` is finite (True for an empty tree)."""
-    leaves = [
-        jnp.all(jnp.isfinite(x))
-        for x in jax.tree_util.tree_leaves(tree)
-        if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)
-    ]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
-
-
-def sum_of_squares(tree) -> jax.Array:
-    """f32[] sum of the squares of every leaf, in f32 (non-finite when any leaf is)."""
-    leaves = [jnp.asarray(x, jnp.float32) for x in jax.tree_util.tree_leaves(tree)]
-    return sum((jnp.sum(jnp.square(x)) for x in leaves), jnp.zeros([], jnp.float32))
-
-
-def global_norm(tree) -> jax.Array:
-    """f32[] L2 norm of all leaves, in f32, without overflow.
-
-    One pass of f32 squares (``optax.global_norm`` squares in the leaf dtype: an fp16 gradient
-    of 300 squares past 65504). Only when that overflows f32 (norms past ~1e19) is the norm
-    recomputed with every leaf scaled by the largest magnitude; ``lax.cond`` runs that second
-    pass only then.
-    """
-    leaves = [jnp.asarray(x, jnp.float32) for x in jax.tree_util.tree_leaves(tree)]
-    if not leaves:
-        return jnp.zeros([], jnp.float32)
-    sq = sum(jnp.sum(jnp.square(x)) for x in leaves)
-
-    def rescaled():
-        m = jnp.max(jnp.stack([jnp.max(jnp.abs(x), initial=0.0) for x in leaves]))
-        safe_m = jnp.where((m > 0) & jnp.isfinite(m), m, 1.0)
-        sq_m = sum(jnp.sum(jnp.square(x / safe_m)) for x in leaves)
-        return jnp.where(jnp.isfinite(m), safe_m * jnp.sqrt(sq_m), m)
-
-    return jax.lax.cond(jnp.isfinite(sq), lambda: jnp.sqrt(sq), rescaled)
-
-
-def select_tree(pred: jax.Array, on_true, on_false):
-    """Leafwise ``jnp.where(pred, on_true, on_false)`` (bit-exact on the chosen side)."""
-    return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+from nan2safe_jax.numerics import MAX_I32 as MAX_I32
+from nan2safe_jax.numerics import all_finite, global_norm, saturating_add
+from nan2safe_jax.numerics import select_tree as select_tree  # the old home of these names
+from nan2safe_jax.numerics import sum_of_squares as sum_of_squares
 
 
 def _level(gear) -> jax.Array:
@@ -116,7 +75,7 @@ def dynamic_loss_scale(cfg: Config) -> optax.GradientTransformationExtraArgs:
         del params, extra
         ok = _finite(updates, finite)
         level = _level(gear)
-        good = jnp.where(ok, jnp.minimum(state.good_steps + 1, MAX_I32), 0)
+        good = jnp.where(ok, saturating_add(state.good_steps), 0)
         grow = good >= cfg.loss_scale_period
         scale = jnp.where(ok, state.scale, state.scale / cfg.loss_scale_factor)
         scale = jnp.where(grow, scale * cfg.loss_scale_factor, scale)
@@ -170,7 +129,7 @@ def geared_clip(
             updates,
         )
         hit = (factor < 1.0).astype(jnp.int32)
-        return clipped, GearedClipState(jnp.minimum(state.clipped + hit, MAX_I32))
+        return clipped, GearedClipState(saturating_add(state.clipped, hit))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -223,8 +182,8 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
             return jax.tree_util.tree_map(jnp.zeros_like, u), s
 
         new_updates, new_inner = jax.lax.cond(ok, apply, skip, (updates, state.inner))
-        streak = jnp.where(ok, 0, jnp.minimum(state.streak + 1, MAX_I32))
-        skipped = jnp.where(ok, state.skipped, jnp.minimum(state.skipped + 1, MAX_I32))
+        streak = jnp.where(ok, 0, saturating_add(state.streak))
+        skipped = jnp.where(ok, state.skipped, saturating_add(state.skipped))
         return new_updates, SkipState(new_inner, skipped, streak)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -6,24 +6,32 @@ the site can wrap its computation in ``site_scope(name)``. The scope puts ``nan2
 into the name stack of every equation the site produces, forward and backward, and
 ``site_from_name_stack`` reads it back: that is how the localizer maps an equation to a site.
 
-Probes are ``Probe`` variables holding the statistics of ``detector.stats``: either declared in
-``__init__`` (so they exist before the first call; needed under ``nnx.scan``) or sown with
-``module.sow(Probe, name, detector.stats(x))`` from any module. The train step reads both.
+Probes are ``Probe`` variables holding the statistics of ``probe.stats`` (see
+``nan2safe_jax.probe``): either declared in ``__init__`` (so they exist before the first call;
+needed under ``nnx.scan``) or sown with ``module.sow(Probe, name, probe.stats(x))`` from any
+module. ``collect_probes`` reads both; the train step calls it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import re
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nan2safe_jax.probe import NUM_STATS
+
 _SITE_RE = re.compile(r"nan2safe\[([^\]]+)\]")
 
 
 class Probe(nnx.Variable):
-    """Probe statistics of one tensor: ``f32[..., NUM_STATS]`` (see ``detector.STATS``)."""
+    """Probe statistics of one tensor: ``f32[..., NUM_STATS]`` (``nan2safe_jax.probe.STATS``)."""
 
 
 class SiteGear(nnx.Variable):
@@ -35,14 +43,55 @@ def site_scope(name: str):
     return jax.named_scope(f"nan2safe[{name}]")
 
 
+_BRANCH_SITE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "nan2safe_branch_site", default=None
+)
+
+
+@contextlib.contextmanager
+def branch_site(name: str | None):
+    """Re-enters ``site_scope(name)`` inside every ``lax.switch`` branch traced in this block.
+
+    Equations inside a ``cond`` branch carry a name stack *relative to the branch*, so without
+    this the site would only be named on the ``cond`` equation itself. ``nan2safe_jax.nn``
+    sites wrap their computation in ``site_scope(name)`` and ``branch_site(name)``, so every
+    equation of every gear's path names its site directly.
+    """
+    token = _BRANCH_SITE.set(name)
+    try:
+        yield
+    finally:
+        _BRANCH_SITE.reset(token)
+
+
+def scoped(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``fn`` run inside ``site_scope(name)`` (a ``lax.switch`` branch of site ``name``)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args):
+        with site_scope(name):
+            return fn(*args)
+
+    return wrapped
+
+
+def current_branch_site() -> str | None:
+    """The site named by the innermost ``branch_site`` block, or None outside one."""
+    return _BRANCH_SITE.get()
+
+
 def site_from_name_stack(name_stack: str) -> str | None:
     """The innermost site named in a name stack string, or None."""
     found = _SITE_RE.findall(str(name_stack))
     return found[-1] if found else None
 
 
-def _path_name(path) -> str:
+def path_name(path) -> str:
+    """A graph path as a dotted name: ``("blocks", 0, "attn")`` -> ``"blocks.0.attn"``."""
     return ".".join(str(p) for p in path)
+
+
+_path_name = path_name  # the old private name
 
 
 def iter_sites(model: nnx.Module):
@@ -51,7 +100,7 @@ def iter_sites(model: nnx.Module):
         if isinstance(node, nnx.Module):
             for value in vars(node).values():
                 if isinstance(value, SiteGear):
-                    yield (_path_name(path) or type(node).__name__), node
+                    yield (path_name(path) or type(node).__name__), node
                     break
 
 
@@ -73,4 +122,33 @@ def site_gears(model: nnx.Module) -> dict[str, SiteGear]:
     out = {}
     for name, module in iter_sites(model):
         out[name] = next(v for v in vars(module).values() if isinstance(v, SiteGear))
+    return out
+
+
+def collect_probes(model: nnx.Module) -> dict[str, jax.Array]:
+    """Every ``Probe`` variable of ``model`` as ``{name: f32[NUM_STATS]}``.
+
+    A stacked probe (``[L, NUM_STATS]``, from ``nnx.scan``) gives one probe per layer,
+    ``"path[i]"``, so a single layer's growth is not averaged away; sown probes (tuples) give
+    one per call.
+
+    Args:
+      model: any ``nnx.Module``.
+
+    Returns:
+      ``{probe name: f32[NUM_STATS]}`` in graph order; the name is the probe's path.
+    """
+    out = {}
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, Probe):
+            continue
+        name = path_name(path)
+        leaves = jax.tree_util.tree_leaves(node.get_value())
+        rows = [jnp.reshape(jnp.asarray(v, jnp.float32), (-1, NUM_STATS)) for v in leaves]
+        if len(rows) == 1 and jnp.ndim(leaves[0]) == 1:
+            out[name] = rows[0][0]
+            continue
+        flat = jnp.concatenate(rows) if rows else jnp.zeros((0, NUM_STATS))
+        for i in range(flat.shape[0]):
+            out[f"{name}[{i}]"] = flat[i]
     return out

@@ -26,10 +26,11 @@ import numpy as np
 from nan2safe_jax import gear as gear_lib
 from nan2safe_jax import replay
 from nan2safe_jax import sharding as sharding_lib
-from nan2safe_jax.checkpoint import Checkpointer, tree_is_finite
+from nan2safe_jax.checkpoint import Checkpointer
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear
-from nan2safe_jax.report import EventLog
+from nan2safe_jax.numerics import first_nonfinite, tree_is_finite
+from nan2safe_jax.runlog import EventLog
 from nan2safe_jax.train import TrainState, make_train_step
 
 log = logging.getLogger(__name__)
@@ -65,12 +66,8 @@ def _check_workdir(workdir) -> Path:
 
 def _batch_is_finite(batch) -> tuple[bool, str | None]:
     """Host-side scan of a batch: (finite, key path of the first non-finite leaf)."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        a = np.asarray(leaf)
-        if a.dtype.kind == "f" or a.dtype.name == "bfloat16":
-            if not np.all(np.isfinite(a.astype(np.float32))):
-                return False, "batch" + jax.tree_util.keystr(path)
-    return True, None
+    bad = first_nonfinite(batch)
+    return bad is None, (None if bad is None else "batch" + bad)
 
 
 def _host(metrics: dict) -> dict:

@@ -1,6 +1,6 @@
 """TrainState and make_train_step: the one jitted step with both gears and tier 1 inside.
 
-One step, as data (DESIGN.md): push the gears into the model's sites, run the forward (sites
+One step, as data (docs/design.md): push the gears into the model's sites, run the forward (sites
 switch on their gear and write their probes), scale the loss, take gradients, unscale, score
 the probes, decide the next gears, and apply a guarded update. Nothing leaves the device.
 """
@@ -18,38 +18,17 @@ from flax import nnx, struct
 
 from nan2safe_jax import detector as det_lib
 from nan2safe_jax import gear as gear_lib
+from nan2safe_jax import numerics
 from nan2safe_jax import optax as guard_lib
+from nan2safe_jax import probe as probe_lib
 from nan2safe_jax import sharding as sharding_lib
 from nan2safe_jax.config import Config
 from nan2safe_jax.detector import DetectorState
 from nan2safe_jax.gear import GearState
-from nan2safe_jax.site import Probe, _path_name, name_sites, site_gears
+from nan2safe_jax.site import Probe, collect_probes, name_sites, site_gears
 
 BUILTIN_PROBES = ("loss", "grad_norm", "update_norm")
 OVERFLOW_GRACE = 8  # loss-scale overflows in a row (a 256x back-off) before the first downshift
-
-
-def collect_probes(model: nnx.Module) -> dict[str, jax.Array]:
-    """Every ``Probe`` variable of ``model`` as ``{name: f32[NUM_STATS]}``.
-
-    A stacked probe (``[L, NUM_STATS]``, from ``nnx.scan``) gives one probe per layer,
-    ``"path[i]"``, so a single layer's growth is not averaged away; sown probes (tuples) give
-    one per call.
-    """
-    out = {}
-    for path, node in nnx.iter_graph(model):
-        if not isinstance(node, Probe):
-            continue
-        name = _path_name(path)
-        leaves = jax.tree_util.tree_leaves(node.get_value())
-        rows = [jnp.reshape(jnp.asarray(v, jnp.float32), (-1, det_lib.NUM_STATS)) for v in leaves]
-        if len(rows) == 1 and jnp.ndim(leaves[0]) == 1:
-            out[name] = rows[0][0]
-            continue
-        flat = jnp.concatenate(rows) if rows else jnp.zeros((0, det_lib.NUM_STATS))
-        for i in range(flat.shape[0]):
-            out[f"{name}[{i}]"] = flat[i]
-    return out
 
 
 class TrainState(struct.PyTreeNode):
@@ -97,7 +76,7 @@ class TrainState(struct.PyTreeNode):
             gear=GearState.create(sites),
             detector=DetectorState.create(names),
             step=jnp.zeros([], jnp.int32),
-            update_stats=jnp.zeros([det_lib.NUM_STATS], jnp.float32),
+            update_stats=probe_lib.zeros(),
             tx=tx,
             cfg=cfg,
         )
@@ -162,14 +141,6 @@ def _forward(state: TrainState, rest, params, batch, loss_fn):
     return loss, probes, new_rest
 
 
-def _scalar_stats(value: jax.Array, headroom: jax.Array, nonfinite: jax.Array) -> jax.Array:
-    v = jnp.asarray(value, jnp.float32)
-    vz = jnp.where(jnp.isfinite(v), v, 0.0)
-    return jnp.stack(
-        [jnp.abs(vz), vz, jnp.zeros_like(vz), jnp.asarray(nonfinite, jnp.float32), headroom]
-    ).astype(jnp.float32)
-
-
 def train_step(
     state: TrainState, batch, loss_fn: Callable, lr_schedule: Callable | None = None
 ) -> tuple[TrainState, dict]:
@@ -194,7 +165,7 @@ def train_step(
     # One sweep over the scaled gradients gives both their finiteness (a NaN or inf anywhere
     # makes the sum non-finite) and the gradient norm. A sum that overflows f32 with finite
     # gradients means scaled gradients past ~1e19: an overflow for the loss scale all the same.
-    sgrad_sq = guard_lib.sum_of_squares(sgrads)
+    sgrad_sq = numerics.sum_of_squares(sgrads)
     grads_finite = jnp.isfinite(sgrad_sq)
     finite = jnp.isfinite(loss32) & grads_finite
     # A finite loss whose scaled gradients overflow is the dynamic loss scale's business: skip
@@ -214,10 +185,10 @@ def train_step(
     grad_norm = jnp.where(grads_finite, jnp.sqrt(sgrad_sq) * inv_scale, jnp.inf)
 
     probes = dict(probes)
-    probes["loss"] = det_lib.stats(loss)
+    probes["loss"] = probe_lib.stats(loss)
     # No headroom on the gradient probe: the scaled gradients live near the dtype's max by
     # design (dynamic loss scaling bounces off it), and the loss scale already handles that.
-    probes["grad_norm"] = _scalar_stats(grad_norm, jnp.zeros([], jnp.float32), ~finite)
+    probes["grad_norm"] = probe_lib.scalar_stats(grad_norm, jnp.zeros([], jnp.float32), ~finite)
     probes["update_norm"] = state.update_stats
     lr = None if lr_schedule is None else lr_schedule(state.step)
     det, risk = det_lib.update(state.detector, probes, cfg, lr=lr)
@@ -226,16 +197,16 @@ def train_step(
     updates, opt_state = state.tx.update(
         grads, state.opt_state, state.params, gear=new_gs, finite=finite, grad_norm=grad_norm
     )
-    update_norm = guard_lib.global_norm(updates)
+    update_norm = numerics.global_norm(updates)
     ok = finite & jnp.isfinite(update_norm)
-    params = guard_lib.select_tree(ok, optax_lib.apply_updates(state.params, updates), state.params)
-    update_stats = _scalar_stats(update_norm, jnp.zeros([], jnp.float32), ~ok)
+    params = numerics.select_tree(ok, optax_lib.apply_updates(state.params, updates), state.params)
+    update_stats = probe_lib.scalar_stats(update_norm, jnp.zeros([], jnp.float32), ~ok)
 
     new_step = state.step + 1
     check = (new_step % cfg.checkpoint_every) == 0
     state_finite = jax.lax.cond(
         check,
-        lambda: guard_lib.all_finite(params) & guard_lib.all_finite(opt_state),
+        lambda: numerics.all_finite(params) & numerics.all_finite(opt_state),
         lambda: jnp.asarray(True),
     )
     new_state = state.replace(

@@ -140,13 +140,24 @@ def test_reader_accepts_string_nonfinite_and_skips_truncated_line(tmp_path):
 
 def test_reopen_after_kill_starts_a_fresh_line(tmp_path):
     (tmp_path / R.EVENTS_FILE).write_text('{"type": "skip", "step": 1, "time": 0}\n{"type": "ch')
-    with R.EventLog(tmp_path) as log:
+    # the log reads the earlier events once, when it opens, and warns about the fragment then
+    with pytest.warns(RuntimeWarning, match="truncated last line"):
+        log = R.EventLog(tmp_path)
+    with log:
         log.append("resume", 2, from_step=0, path="ckpt/0")
     with pytest.warns(RuntimeWarning, match="unreadable line 2"):
         events = R.read_events(tmp_path)
     assert [e["type"] for e in events] == ["skip", "resume"]
-    with pytest.warns(RuntimeWarning):
-        assert [e["type"] for e in log.events] == ["skip", "resume"]
+    assert log.events == events  # served from memory, equal to what the file holds
+
+
+def test_event_log_keeps_events_in_memory(tmp_path):
+    with R.EventLog(tmp_path) as log:
+        log.append("skip", 1, reason="overflow", risk=float("inf"))
+        (tmp_path / R.EVENTS_FILE).unlink()  # the file is not re-read
+        assert [e["type"] for e in log.events] == ["skip"]
+        log.events[0]["type"] = "edited"  # a copy: the log's record is unchanged
+        assert log.events[0]["type"] == "skip" and log.events[0]["risk"] == float("inf")
 
 
 def test_summary_counts(run_dir):

@@ -8,9 +8,6 @@ and ``_switch_fast_vjp`` keeps the FAST backward from paying for the untaken pat
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import functools
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -19,7 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nan2safe_jax.site import site_scope
+from nan2safe_jax.site import branch_site as branch_site  # re-exported: ops.branch_site
+from nan2safe_jax.site import current_branch_site, scoped
 
 
 def _static_gear(gear: Any) -> int | None:
@@ -31,36 +29,6 @@ def _static_gear(gear: Any) -> int | None:
     except TypeError:
         return None
     return g
-
-
-_BRANCH_SITE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "nan2safe_branch_site", default=None
-)
-
-
-@contextlib.contextmanager
-def branch_site(name: str | None):
-    """Re-enters ``site_scope(name)`` inside every ``lax.switch`` branch traced in this block.
-
-    Equations inside a ``cond`` branch carry a name stack *relative to the branch*, so without
-    this the site would only be named on the ``cond`` equation itself. ``nan2safe_jax.nn``
-    sites wrap their computation in ``site_scope(name)`` and ``branch_site(name)``, so every
-    equation of every gear's path names its site directly.
-    """
-    token = _BRANCH_SITE.set(name)
-    try:
-        yield
-    finally:
-        _BRANCH_SITE.reset(token)
-
-
-def _scoped(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapped(*args):
-        with site_scope(name):
-            return fn(*args)
-
-    return wrapped
 
 
 def switch(gear: Any, branches: Sequence[Callable[..., Any]], *operands: Any) -> Any:
@@ -92,9 +60,9 @@ def switch(gear: Any, branches: Sequence[Callable[..., Any]], *operands: Any) ->
         )
     if not jnp.issubdtype(gear.dtype, jnp.integer):
         gear = gear.astype(jnp.int32)
-    name = _BRANCH_SITE.get()
+    name = current_branch_site()
     if name is not None:
-        branches = [_scoped(b, name) for b in branches]
+        branches = [scoped(b, name) for b in branches]
     return lax.switch(gear.astype(jnp.int32), tuple(branches), *operands)
 
 
@@ -123,8 +91,8 @@ def _switch_fast_vjp(gear, branches, fast: _FastVJP, *args):
     if gear.ndim != 0:
         return switch(gear, branches, *args)  # raises the scalar error
     gear = gear.astype(jnp.int32)
-    name = _BRANCH_SITE.get()
-    wrap = (lambda f: _scoped(f, name)) if name is not None else (lambda f: f)
+    name = current_branch_site()
+    wrap = (lambda f: scoped(f, name)) if name is not None else (lambda f: f)
     branches = [wrap(b) for b in branches]
 
     @jax.custom_vjp

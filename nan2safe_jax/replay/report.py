@@ -7,11 +7,12 @@ the last replay captured (the culprit's inputs and outputs only), so they cost n
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from nan2safe_jax.runlog.events import to_jsonable
 
 DIAGNOSES = ("overflow", "0/0", "division by ~0", "log/sqrt domain", "polluted input", "other")
 NOT_REPRODUCIBLE = "not reproducible: suspect hardware or non-determinism"
@@ -125,7 +126,7 @@ class Report:
         d["channels_truncated"] = {str(k): int(v) for k, v in self.channels_truncated.items()}
         d["inputs"] = [_json_safe(s) for s in self.inputs]
         d["output_shape"] = list(self.output_shape) if self.output_shape is not None else None
-        return json.loads(json.dumps(d, default=_json_default))
+        return to_jsonable(d)  # the run record's JSON policy (nan2safe_jax.runlog.events)
 
     def __str__(self) -> str:
         lines = []

@@ -1,0 +1,120 @@
+"""Small numerics over pytrees, in one place: finiteness, norms, selection, saturating counters.
+
+Device-side helpers (``all_finite``, ``sum_of_squares``, ``global_norm``, ``select_tree``,
+``saturating_add``) are traceable and run inside the jitted step. Host-side helpers
+(``first_nonfinite``, ``tree_is_finite``) read concrete arrays back with NumPy: the Trainer uses
+them on a batch before it blames the model, and the checkpointer before it saves.
+
+A leaf is checked for finiteness when its dtype is inexact (float, bfloat16, float8, complex);
+integer, bool and PRNG-key leaves are always finite.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MAX_I32 = 2**31 - 1
+
+
+def _inexact(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def all_finite(tree) -> jax.Array:
+    """bool[]: every floating leaf of ``tree`` is finite (True for an empty tree).
+
+    Args:
+      tree: a pytree of arrays (traced or concrete).
+
+    Returns:
+      A bool scalar array.
+    """
+    leaves = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree_util.tree_leaves(tree)
+        if _inexact(jnp.asarray(x).dtype)
+    ]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def sum_of_squares(tree) -> jax.Array:
+    """f32[] sum of the squares of every leaf, in f32 (non-finite when any leaf is)."""
+    leaves = [jnp.asarray(x, jnp.float32) for x in jax.tree_util.tree_leaves(tree)]
+    return sum((jnp.sum(jnp.square(x)) for x in leaves), jnp.zeros([], jnp.float32))
+
+
+def global_norm(tree) -> jax.Array:
+    """f32[] L2 norm of all leaves, in f32, without overflow.
+
+    One pass of f32 squares (``optax.global_norm`` squares in the leaf dtype: an fp16 gradient
+    of 300 squares past 65504). Only when that overflows f32 (norms past ~1e19) is the norm
+    recomputed with every leaf scaled by the largest magnitude; ``lax.cond`` runs that second
+    pass only then.
+    """
+    leaves = [jnp.asarray(x, jnp.float32) for x in jax.tree_util.tree_leaves(tree)]
+    if not leaves:
+        return jnp.zeros([], jnp.float32)
+    sq = sum(jnp.sum(jnp.square(x)) for x in leaves)
+
+    def rescaled():
+        m = jnp.max(jnp.stack([jnp.max(jnp.abs(x), initial=0.0) for x in leaves]))
+        safe_m = jnp.where((m > 0) & jnp.isfinite(m), m, 1.0)
+        sq_m = sum(jnp.sum(jnp.square(x / safe_m)) for x in leaves)
+        return jnp.where(jnp.isfinite(m), safe_m * jnp.sqrt(sq_m), m)
+
+    return jax.lax.cond(jnp.isfinite(sq), lambda: jnp.sqrt(sq), rescaled)
+
+
+def select_tree(pred: jax.Array, on_true, on_false):
+    """Leafwise ``jnp.where(pred, on_true, on_false)`` (bit-exact on the chosen side)."""
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def saturating_add(x: jax.typing.ArrayLike, by: jax.typing.ArrayLike = 1) -> jax.Array:
+    """``x + by`` in int32, clamped at ``MAX_I32`` instead of wrapping to a negative count.
+
+    The comparison is made before the addition: ``jnp.minimum(x + 1, MAX_I32)`` would wrap
+    first (``MAX_I32 + 1 == -2**31`` in int32) and then keep the wrapped value.
+
+    Args:
+      x: int32 counter(s).
+      by: a non-negative int32 increment (scalar or broadcastable).
+
+    Returns:
+      int32, same shape as ``x``.
+    """
+    x = jnp.asarray(x, jnp.int32)
+    by = jnp.asarray(by, jnp.int32)
+    return jnp.where(x >= MAX_I32 - by, MAX_I32, x + by).astype(jnp.int32)
+
+
+def first_nonfinite(tree) -> str | None:
+    """Host-side scan: the key path of the first leaf holding a NaN or inf, or None.
+
+    Args:
+      tree: a pytree of concrete arrays (NumPy or JAX; one device-to-host copy per leaf).
+
+    Returns:
+      ``jax.tree_util.keystr`` of the first non-finite leaf, or None when all are finite.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if _is_key(leaf):
+            continue
+        a = np.asarray(leaf)
+        if not _inexact(a.dtype):
+            continue
+        ok = np.isfinite(a) if np.iscomplexobj(a) else np.isfinite(a.astype(np.float32))
+        if not np.all(ok):
+            return jax.tree_util.keystr(path)
+    return None
+
+
+def tree_is_finite(tree) -> bool:
+    """Host-side check: every floating leaf of ``tree`` is finite (see ``first_nonfinite``)."""
+    return first_nonfinite(tree) is None

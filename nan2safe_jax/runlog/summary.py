@@ -1,0 +1,261 @@
+"""Run analysis and the summary table: counts and headline numbers of a run."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nan2safe_jax.runlog.events import _as_float, _as_int, read_events, read_metrics
+
+GEAR_NAMES = ("FAST", "STABLE", "SAFE")
+
+
+@dataclasses.dataclass
+class _Run:
+    """Metrics as arrays (one entry per step, last record of a step wins) plus the events."""
+
+    workdir: Path
+    raw: list[dict[str, Any]]  # metrics.jsonl in file order, including re-runs of a step
+    records: list[dict[str, Any]]  # deduplicated (last record of a step wins), sorted by step
+    events: list[dict[str, Any]]
+    step: np.ndarray  # i64[n]
+    loss: np.ndarray  # f64[n]
+    risk: np.ndarray  # f64[n]
+    gear: np.ndarray  # i64[n]
+    skipped: np.ndarray  # bool[n]
+
+
+def _load(workdir: str | os.PathLike) -> _Run:
+    wd = Path(workdir)
+    raw = read_metrics(wd)
+    by_step: dict[int, dict[str, Any]] = {}
+    for rec in raw:
+        try:
+            by_step[int(rec["step"])] = rec
+        except (KeyError, TypeError, ValueError):
+            continue
+    records = [by_step[s] for s in sorted(by_step)]
+    n = len(records)
+    step = np.fromiter((int(r["step"]) for r in records), np.int64, n)
+    loss = np.fromiter((_as_float(r.get("loss")) for r in records), np.float64, n)
+    risk = np.fromiter((_as_float(r.get("risk", 0.0)) for r in records), np.float64, n)
+    gear = np.fromiter((_as_int(r.get("gear", 0)) for r in records), np.int64, n)
+    skipped = np.fromiter((bool(r.get("skipped", False)) for r in records), bool, n)
+    events = [e for e in read_events(wd) if isinstance(e.get("step"), (int, float))]
+    return _Run(wd, raw, records, events, step, loss, risk, gear, skipped)
+
+
+def _report_of(event: Mapping[str, Any]) -> dict[str, Any]:
+    rep = event.get("report")
+    return rep if isinstance(rep, dict) else {}
+
+
+def _incident_label(event: Mapping[str, Any]) -> str:
+    """``"blocks.1.attn: div (0/0)"`` for a locate event; shorter forms when fields are missing."""
+    rep = _report_of(event)
+    diagnosis = rep.get("diagnosis")
+    if rep.get("reproducible") is False:
+        return "not reproducible"
+    if diagnosis == "polluted input":
+        return f"polluted input {rep.get('input_path') or ''}".rstrip()
+    where = rep.get("site") or rep.get("name_stack") or rep.get("source") or "?"
+    prim = rep.get("primitive") or "?"
+    detail = [d for d in (diagnosis,) if d]
+    if rep.get("direction") == "backward":
+        detail.append("backward")
+    return f"{where}: {prim}" + (f" ({', '.join(detail)})" if detail else "")
+
+
+def _median_step_seconds(records: list[dict[str, Any]]) -> float | None:
+    """Median of (time difference / step difference) over consecutive records going forward."""
+    rates = []
+    prev = None
+    for rec in records:
+        t, s = _as_float(rec.get("time")), rec.get("step")
+        if not isinstance(s, (int, float)) or not math.isfinite(t):
+            prev = None
+            continue
+        if prev is not None and s > prev[0] and t > prev[1]:
+            rates.append((t - prev[1]) / (s - prev[0]))
+        prev = (s, t)
+    return float(np.median(rates)) if rates else None
+
+
+def summary(workdir: str | os.PathLike) -> dict[str, Any]:
+    """Counts and headline numbers of a run, from its ``metrics.jsonl`` and ``events.jsonl``.
+
+    Returns:
+      A dict with ``steps`` (distinct steps logged), ``records`` (metric lines, including steps
+      re-run after a rollback), ``first_step``, ``last_step``, ``final_loss``, ``min_loss``
+      (finite only), ``nonfinite_losses``, ``skipped`` (steps whose update was skipped, from the
+      metrics, or from ``skip`` events when metrics carry no ``skipped`` field),
+      ``skip_reasons``, ``downshifts``, ``incidents`` (one dict per ``locate`` event: step, site,
+      primitive, diagnosis, direction, kind, source, action, replays, seconds, reproducible,
+      label), ``incidents_located``, ``safe_entries``, ``safe_sites``, ``safe_exits``,
+      ``recoveries``, ``checkpoints``, ``resumes``, ``transients``, ``polluted_inputs``,
+      ``errors``, ``final_gear``, ``seconds_per_step`` (median) and ``wall_seconds``.
+    """
+    return _summarize(_load(workdir))
+
+
+def _summarize(run: _Run) -> dict[str, Any]:
+    raw, events = run.raw, run.events
+
+    def count(t: str) -> int:
+        return sum(1 for e in events if e.get("type") == t)
+
+    finite = run.loss[np.isfinite(run.loss)]
+    skip_events = [e for e in events if e.get("type") == "skip"]
+    reasons: dict[str, int] = {}
+    for e in skip_events:
+        r = str(e.get("reason", "?"))
+        reasons[r] = reasons.get(r, 0) + 1
+    has_skip_field = any("skipped" in r for r in run.records)
+    incidents = []
+    for e in events:
+        if e.get("type") != "locate":
+            continue
+        rep = _report_of(e)
+        incidents.append(
+            {
+                "step": e.get("step"),
+                "site": rep.get("site"),
+                "primitive": rep.get("primitive"),
+                "diagnosis": rep.get("diagnosis"),
+                "direction": rep.get("direction"),
+                "kind": rep.get("kind"),
+                "source": rep.get("source"),
+                "action": e.get("action"),
+                "replays": rep.get("replays"),
+                "seconds": rep.get("seconds"),
+                "reproducible": rep.get("reproducible", True),
+                "label": _incident_label(e),
+            }
+        )
+    times = [t for t in (_as_float(r.get("time")) for r in raw) if math.isfinite(t)]
+    safe_sites = sorted({str(e["site"]) for e in events if e.get("type") == "safe_enter"})
+    return {
+        "workdir": str(run.workdir),
+        "steps": len(run.records),
+        "records": len(raw),
+        "first_step": int(run.step[0]) if len(run.step) else None,
+        "last_step": int(run.step[-1]) if len(run.step) else None,
+        "final_loss": float(run.loss[-1]) if len(run.loss) else None,
+        "min_loss": float(finite.min()) if len(finite) else None,
+        "nonfinite_losses": int((~np.isfinite(run.loss)).sum()),
+        "skipped": int(run.skipped.sum()) if has_skip_field else len(skip_events),
+        "skip_reasons": reasons,
+        "downshifts": count("downshift"),
+        "incidents_located": len(incidents),
+        "incidents": incidents,
+        "safe_entries": count("safe_enter"),
+        "safe_sites": safe_sites,
+        "safe_exits": count("safe_exit"),
+        "recoveries": count("recover"),
+        "checkpoints": count("checkpoint"),
+        "resumes": count("resume"),
+        "transients": count("transient"),
+        "polluted_inputs": count("polluted_input"),
+        "errors": count("error"),
+        "final_gear": int(run.gear[-1]) if len(run.gear) else None,
+        "seconds_per_step": _median_step_seconds(raw),
+        "wall_seconds": (max(times) - min(times)) if len(times) > 1 else None,
+    }
+
+
+def _fmt(x: Any, spec: str = ".4g") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return format(x, spec)
+    return str(x)
+
+
+def print_summary(workdir: str | os.PathLike, console=None) -> dict[str, Any]:
+    """Prints :func:`summary` as rich tables (headline numbers, then one row per incident).
+
+    Args:
+      workdir: the run directory.
+      console: a ``rich.console.Console``; a new one on stdout when None.
+
+    Returns:
+      The summary dict.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console() if console is None else console
+    s = summary(workdir)
+    t = Table(title=f"nan2safe run: {Path(workdir).name}", show_header=False, title_justify="left")
+    t.add_column("what", style="bold")
+    t.add_column("value", justify="right")
+    steps = f"{s['steps']}"
+    if s["records"] != s["steps"]:
+        steps += f" ({s['records'] - s['steps']} re-run after rollback)"
+    if s["first_step"] is not None:
+        steps += f"  [{s['first_step']}..{s['last_step']}]"
+    t.add_row("steps run", steps)
+    t.add_row("final loss", _fmt(s["final_loss"]))
+    t.add_row("min loss", _fmt(s["min_loss"]))
+    t.add_row("non-finite losses", str(s["nonfinite_losses"]))
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["skip_reasons"].items()))
+    t.add_row("skipped steps", f"{s['skipped']}" + (f" ({reasons})" if reasons else ""))
+    t.add_row("downshifts", str(s["downshifts"]))
+    t.add_row("incidents located", str(s["incidents_located"]))
+    sites = ", ".join(s["safe_sites"])
+    t.add_row("SAFE entries", f"{s['safe_entries']}" + (f" ({sites})" if sites else ""))
+    t.add_row("recoveries", str(s["recoveries"]))
+    t.add_row("checkpoints", str(s["checkpoints"]))
+    if s["resumes"]:
+        t.add_row("resumes", str(s["resumes"]))
+    extra = (
+        ("transients", "transient (not reproduced)"),
+        ("polluted_inputs", "polluted inputs"),
+        ("errors", "errors"),
+    )
+    for key, label in extra:
+        if s[key]:
+            t.add_row(label, str(s[key]))
+    if s["final_gear"] is not None:
+        g = s["final_gear"]
+        t.add_row("final gear", GEAR_NAMES[g] if 0 <= g < len(GEAR_NAMES) else str(g))
+    sps = s["seconds_per_step"]
+    t.add_row("time per step (median)", "-" if sps is None else f"{sps * 1e3:.1f} ms")
+    if s["wall_seconds"] is not None:
+        t.add_row("wall time", f"{s['wall_seconds']:.1f} s")
+    console.print(t)
+
+    if s["incidents"]:
+        it = Table(title="incidents", title_justify="left")
+        for col in ("step", "site", "primitive", "diagnosis", "pass", "source", "replays", "s"):
+            right = col in ("step", "replays", "s")
+            it.add_column(col, justify="right" if right else "left", overflow="fold")
+        for inc in s["incidents"]:
+            diag = inc["diagnosis"] or "-"
+            if inc["reproducible"] is False:
+                diag = "not reproducible"
+            it.add_row(
+                _fmt(inc["step"]),
+                _fmt(inc["site"]),
+                _fmt(inc["primitive"]),
+                diag,
+                _fmt(inc["direction"]),
+                _fmt(_short_source(inc["source"])),
+                _fmt(inc["replays"]),
+                _fmt(inc["seconds"], ".2f"),
+            )
+        console.print(it)
+    return s
+
+
+def _short_source(source):
+    """``/long/path/to/file.py:123`` -> ``file.py:123`` (the table is narrow)."""
+    if not source:
+        return source
+    return str(source).replace("\\", "/").rsplit("/", 1)[-1]

@@ -1,0 +1,56 @@
+"""numerics: tree finiteness (device and host), saturating counters."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from nan2safe_jax import numerics
+from nan2safe_jax import optax as n2s_optax
+from nan2safe_jax.numerics import MAX_I32
+
+
+def test_saturating_add_holds_at_the_top_instead_of_wrapping():
+    top = jnp.int32(MAX_I32)
+    # what the old ``jnp.minimum(x + 1, MAX_I32)`` did: wrap first, then keep the wrapped value
+    assert int(jnp.minimum(top + 1, MAX_I32)) < 0
+    assert int(numerics.saturating_add(top)) == MAX_I32
+    assert int(numerics.saturating_add(jnp.int32(MAX_I32 - 1))) == MAX_I32
+    assert int(numerics.saturating_add(jnp.int32(MAX_I32 - 3), 2)) == MAX_I32 - 1
+    assert int(numerics.saturating_add(top, 0)) == MAX_I32
+    np.testing.assert_array_equal(
+        jax.jit(numerics.saturating_add)(jnp.asarray([0, 5, MAX_I32], jnp.int32)), [1, 6, MAX_I32]
+    )
+
+
+def test_skip_counters_saturate_at_the_top():
+    tx = n2s_optax.skip_nonfinite(optax.sgd(0.1))
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    state = state._replace(skipped=jnp.int32(MAX_I32), streak=jnp.int32(MAX_I32))
+    _, state = tx.update({"w": jnp.full(3, jnp.nan)}, state, params)
+    assert int(state.skipped) == MAX_I32 and int(state.streak) == MAX_I32
+
+
+def test_all_finite_checks_float_leaves_only():
+    ok = {"a": jnp.ones(2), "i": jnp.arange(3), "h": jnp.ones(2, jnp.bfloat16)}
+    assert bool(numerics.all_finite(ok)) and bool(numerics.all_finite({}))
+    assert not bool(numerics.all_finite({**ok, "h": jnp.asarray([1.0, jnp.inf], jnp.bfloat16)}))
+    assert not bool(jax.jit(numerics.all_finite)({**ok, "a": jnp.asarray([0.0, jnp.nan])}))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, jnp.bfloat16])
+def test_first_nonfinite_names_the_leaf(dtype):
+    tree = {"x": np.ones((2, 2), dtype), "y": [np.zeros(3, np.int32), np.ones(4, dtype)]}
+    assert numerics.first_nonfinite(tree) is None and numerics.tree_is_finite(tree)
+    tree["y"][1][2] = np.nan
+    assert numerics.first_nonfinite(tree) == "['y'][1]"
+    assert not numerics.tree_is_finite(tree)
+
+
+def test_host_check_skips_keys_and_sees_complex():
+    tree = {"key": jax.random.key(0), "c": np.asarray([1 + 1j], np.complex64)}
+    assert numerics.tree_is_finite(tree)
+    tree["c"] = np.asarray([1 + 1j * np.inf], np.complex64)  # only the imaginary part is bad
+    assert numerics.first_nonfinite(tree) == "['c']"
