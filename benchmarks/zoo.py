@@ -1,6 +1,6 @@
 """Fault zoo: real fp16 failure mechanisms, three arms on identical data and seeds.
 
-Every scenario is a numerical mechanism of SPEC.md that comes out of fp16 arithmetic on real
+Every scenario is a numerical mechanism of docs/design.md that comes out of fp16 arithmetic on real
 data and weights; a knob or a data property only decides *when* it fires:
 
 ==================  ===========================================================================

@@ -1,6 +1,6 @@
 """nan2safe-jax: keeps JAX/Flax training alive when numerics go bad.
 
-Public surface (see DESIGN.md). ``import nan2safe_jax as nan2safe``.
+Public surface (see docs/design.md, "Module map"). ``import nan2safe_jax as nan2safe``.
 """
 
 from nan2safe_jax import detector, gear, nn, ops, optax, replay, sharding, site

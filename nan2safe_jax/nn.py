@@ -23,7 +23,7 @@ module                     probes (``Probe`` variables, f32[NUM_STATS] each)
                            max-abs reduction)
 =========================  ================================================================
 
-Probes must cost almost nothing next to the op (SPEC.md: tier-1 overhead < 1%), and a full
+Probes must cost almost nothing next to the op (docs/design.md, "Tier 1"), and a full
 ``detector.stats`` pass over a ``[batch, heads, q, k]`` tensor costs as much as the attention
 itself on CPU. So the probes summarise per-row quantities the op computes anyway (the softmax's
 row max and denominator, the norm's per-row variance), or a fixed-size sample of rows

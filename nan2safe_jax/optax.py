@@ -138,7 +138,10 @@ def geared_clip(
 
 
 def safe_lr_factor(factor: float) -> optax.GradientTransformationExtraArgs:
-    """Scales updates by ``factor`` while the model or any site is in SAFE (SPEC.md)."""
+    """Scales updates by ``factor`` while the model or any site is in SAFE.
+
+    See docs/design.md, "Gears".
+    """
 
     def update_fn(updates, state, params=None, *, gear=None, **extra):
         del params, extra

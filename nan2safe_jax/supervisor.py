@@ -1,7 +1,7 @@
 """Trainer: the host loop around the jitted step — tier 2, the ring buffer, checkpoints, events.
 
 The loop dispatches step t and only then reads the metrics of step t-1 (one transfer), so the
-host never stalls the device between steps (DESIGN.md, "Around the step"). When a step turns out
+host never stalls the device between steps (docs/design.md, "Data flow"). When a step turns out
 non-finite it replays that step deterministically with ``replay.locate_step``, puts the culprit
 site in SAFE, and carries on; every decision lands in ``events.jsonl``.
 """

@@ -1,4 +1,4 @@
-"""Config: defaults from SPEC.md, validation errors that name the field."""
+"""Config: defaults from docs/design.md, validation errors that name the field."""
 
 import dataclasses
 

@@ -1,4 +1,4 @@
-"""Detector: probe statistics and the risk score, against a NumPy reference of SPEC.md."""
+"""Detector: probe statistics and the risk score, against a NumPy reference of docs/design.md."""
 
 import math
 
@@ -15,7 +15,7 @@ CFG = Config(min_history=8)
 
 
 class ReferenceDetector:
-    """The write-up's PrecursorDetector for one probe, in plain Python (SPEC.md formulas)."""
+    """The write-up's PrecursorDetector for one probe, in plain Python (docs/design.md formulas)."""
 
     def __init__(self, cfg):
         self.cfg, self.ema, self.var, self.hist = cfg, None, 0.0, []

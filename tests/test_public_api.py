@@ -1,4 +1,4 @@
-"""The public surface: every name in __all__ imports, and DESIGN.md's entry points exist."""
+"""The public surface: every name in __all__ resolves, old module paths alias the new homes."""
 
 import importlib
 import inspect

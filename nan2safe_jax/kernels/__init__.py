@@ -1,10 +1,10 @@
 """Safe reductions for the SAFE gear: Pallas kernels beside pure-jnp references.
 
-Installed as ``nan2safe_jax.kernels``. One folder per op family (``safe_reduce``, ``softmax``,
+One folder per op family (``safe_reduce``, ``softmax``,
 ``norms``), each with ``api.py`` (dispatch), ``reference.py`` (pure jnp, the XLA fallback)
 and ``pallas.py`` (the kernels). Every entry point takes ``implementation=None | "pallas" |
 "reference"`` and ``with_count`` (also return the int32 number of non-finite inputs seen).
-See kernels/README.md for the design and what is verified where.
+See nan2safe_jax/kernels/README.md for the design and what is verified where.
 """
 
 from nan2safe_jax.kernels.norms import safe_layer_norm, safe_rms_norm
