@@ -142,6 +142,33 @@ def _time(fn: Callable[[], object], iters: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+def table(result: dict) -> str:
+    """The results of ``main`` (or its JSON) as the printed table."""
+    sh = result["shape"]
+    lines = [
+        f"nan2safe.nn sites vs flax.nnx, {result['mode']}, {result['dtype']}, B={sh['batch']} "
+        f"T={sh['seq']} D={sh['d_model']} H={sh['heads']}; median of {result['rounds']} "
+        f"interleaved rounds; {result['backend']}"
+    ]
+    hdr = (
+        f"{'module':<20}{'flax us':>10}{'FAST us':>10}{'FAST x':>8}{'no-probe x':>12}"
+        f"{'STABLE x':>10}{'SAFE x':>8}{'compile flax/site s':>22}"
+    )
+    lines += [hdr, "-" * len(hdr)]
+    for r in result["rows"]:
+        lines.append(
+            f"{r['module']:<20}{r['flax_us']:>10.1f}{r['fast_us']:>10.1f}{r['fast_ratio']:>8.3f}"
+            f"{r['fast_noprobe_ratio']:>12.3f}{r['stable_ratio']:>10.3f}{r['safe_ratio']:>8.3f}"
+            f"{r['compile_flax_s']:>12.2f} / {r['compile_site_s']:<7.2f}"
+        )
+    lines.append(
+        f"worst FAST ratio: {result['worst_fast_ratio']:.3f} with probes, "
+        f"{result['worst_fast_noprobe_ratio']:.3f} without (target <= 1.05). "
+        "no-probe: the same site traced with its probe statistics replaced by zeros."
+    )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
@@ -204,28 +231,8 @@ def main(argv=None) -> dict:
         rows.append(row)
 
     mode = "forward" if args.forward else "forward+backward"
-    print(
-        f"nan2safe.nn sites vs flax.nnx, {mode}, {dtype.name}, B={B} T={T} D={D} H={H}; "
-        f"median of {args.rounds} interleaved rounds; {jax.devices()[0].platform}"
-    )
-    hdr = (
-        f"{'module':<20}{'flax us':>10}{'FAST us':>10}{'FAST x':>8}{'no-probe x':>12}"
-        f"{'STABLE x':>10}{'SAFE x':>8}{'compile flax/site s':>22}"
-    )
-    print(hdr)
-    print("-" * len(hdr))
-    for r in rows:
-        print(
-            f"{r['module']:<20}{r['flax_us']:>10.1f}{r['fast_us']:>10.1f}{r['fast_ratio']:>8.3f}"
-            f"{r['fast_noprobe_ratio']:>12.3f}{r['stable_ratio']:>10.3f}{r['safe_ratio']:>8.3f}"
-            f"{r['compile_flax_s']:>12.2f} / {r['compile_site_s']:<7.2f}"
-        )
     worst = max(r["fast_ratio"] for r in rows)
     worst_np = max(r["fast_noprobe_ratio"] for r in rows)
-    print(
-        f"worst FAST ratio: {worst:.3f} with probes, {worst_np:.3f} without (target <= 1.05). "
-        "no-probe: the same site traced with its probe statistics replaced by zeros."
-    )
     result = {
         "benchmark": "ops",
         "mode": mode,
@@ -238,7 +245,11 @@ def main(argv=None) -> dict:
         "rows": rows,
         "worst_fast_ratio": worst,
         "worst_fast_noprobe_ratio": worst_np,
+        "command": " ".join(
+            ["python", "benchmarks/ops.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
     }
+    print(table(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

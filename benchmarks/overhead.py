@@ -136,6 +136,26 @@ def time_steps(run, batches, steps):
     return (time.perf_counter() - t0) / steps
 
 
+def table(record: dict) -> str:
+    """The record of ``main`` (or its JSON) as the printed table."""
+    if "layers" in record:
+        model = f"{record['layers']} layers, d_model {record['d_model']}, seq {record['seq']}"
+    else:  # a JSON from before the model size was recorded: the script's defaults ran
+        model = "size not recorded (the script's defaults)"
+    lines = [
+        f"backend {record['backend']}  devices {record['devices']}  dtype {record['dtype']}",
+        f"model: {model}, batch {record['batch']}",
+    ]
+    if record.get("sharding"):
+        lines.append(f"sharding: {record['sharding']}  mesh {record['mesh']}")
+    lines.append(f"{'arm':<10} {'min ms':>9} {'median ms':>10} {'max ms':>9}")
+    for k, v in record["times_s"].items():
+        med = record["median_s"][k]
+        lines.append(f"{k:<10} {min(v) * 1e3:9.2f} {med * 1e3:10.2f} {max(v) * 1e3:9.2f}")
+    lines.append(f"ratio nan2safe / plain (median): {record['ratio']:.3f}x")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
@@ -167,15 +187,6 @@ def main(argv=None):
 
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med["nan2safe"] / med["plain"]
-    print(f"backend {jax.default_backend()}  devices {jax.device_count()}  dtype {args.dtype}")
-    print(f"model: {args.layers} layers, d_model {args.d_model}, seq {cfg.seq_len}, ", end="")
-    print(f"batch {args.batch}")
-    if rules is not None:
-        print(f"sharding: {args.sharding}  mesh {dict(rules.mesh.shape)}")
-    print(f"{'arm':<10} {'min ms':>9} {'median ms':>10} {'max ms':>9}")
-    for k, v in times.items():
-        print(f"{k:<10} {min(v) * 1e3:9.2f} {med[k] * 1e3:10.2f} {max(v) * 1e3:9.2f}")
-    print(f"ratio nan2safe / plain (median): {ratio:.3f}x")
     record = {
         "ratio": ratio,
         "median_s": med,
@@ -188,7 +199,14 @@ def main(argv=None):
         "sharding": None if rules is None else args.sharding,
         "mesh": None if rules is None else dict(rules.mesh.shape),
         "batch": args.batch,
+        "layers": args.layers,
+        "d_model": args.d_model,
+        "seq": cfg.seq_len,
+        "command": " ".join(
+            ["python", "benchmarks/overhead.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
     }
+    print(table(record))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=1))

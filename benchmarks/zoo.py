@@ -682,7 +682,8 @@ def _fmt(v, spec: str = "") -> str:
     return str(v)
 
 
-def table(records: list[dict]) -> str:
+def table(records: list[dict], omit: tuple[str, ...] = ()) -> str:
+    """The records as the printed table, without the columns titled in ``omit``."""
     cols = [
         ("scenario", 13, "scenario", ""),
         ("arm", 8, "arm", ""),
@@ -696,6 +697,7 @@ def table(records: list[dict]) -> str:
         ("loc s", 6, "locate_seconds", ".1f"),
         ("t/plain", 7, "step_time_ratio", ".2f"),
     ]
+    cols = [c for c in cols if c[0] not in omit]
     head = " ".join(f"{c[0]:<{c[1]}}" for c in cols)
     lines = [f"fault zoo; nan2safe arm: {CFG_TEXT}", head, "-" * len(head)]
     for r in records:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nan2safe_jax import Config, detector
+from nan2safe_jax import Config, detector, probe
 
 CFG = Config(min_history=8)
 
@@ -46,11 +46,11 @@ def test_stats_against_numpy(dtype):
     x = np.array([[1.0, -3.0, np.nan], [np.inf, 2.0, 0.5]], np.float32)
     s = np.asarray(detector.stats(jnp.asarray(x, dtype)))
     fin = x[np.isfinite(x)]
-    np.testing.assert_allclose(s[0], np.max(np.abs(fin)), rtol=1e-2)
-    np.testing.assert_allclose(s[1], fin.mean(), rtol=1e-2)
-    np.testing.assert_allclose(s[2], fin.var(), rtol=1e-2)
-    assert s[3] == 2
-    assert s[4] == 1.0  # an inf element is the end of headroom
+    np.testing.assert_allclose(s[probe.MAX_ABS], np.max(np.abs(fin)), rtol=1e-2)
+    np.testing.assert_allclose(s[probe.MEAN], fin.mean(), rtol=1e-2)
+    np.testing.assert_allclose(s[probe.VAR], fin.var(), rtol=1e-2)
+    assert s[probe.NONFINITE] == 2
+    assert s[probe.HEADROOM] == 1.0  # an inf element is the end of headroom
 
 
 def test_headroom_is_relative_to_the_dtype():

@@ -1,0 +1,136 @@
+"""Renders the README's result tables from the committed ``docs/*.json``.
+
+Each table sits between two marker comments in README.md,
+
+    <!-- results:NAME -->
+    ...generated...
+    <!-- /results:NAME -->
+
+and is regenerated from ``docs/<json>`` by the same formatter the benchmark prints with. Every
+block names the exact command that wrote its JSON: the ``command`` the benchmark recorded, or,
+for a JSON written before benchmarks recorded it, the command rebuilt from the parameters the
+JSON does record (said so in the block).
+
+Usage::
+
+    python benchmarks/readme.py           # rewrite README.md in place
+    python benchmarks/readme.py --check   # exit 1 when README.md is not what the JSON gives
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+_MARK = re.compile(r"(<!-- results:(\w+) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
+
+
+def _overhead_command(rec: dict, path: str) -> str:
+    cmd = ["python benchmarks/overhead.py", f"--rounds {rec['rounds']}"]
+    cmd += [f"--steps {rec['steps_per_round']}", f"--dtype {rec['dtype']}"]
+    cmd += [f"--batch {rec['batch']}"]
+    if rec.get("sharding"):
+        cmd += [f"--devices {rec['devices']}", f"--sharding {rec['sharding']}"]
+    return " ".join(cmd + [f"--json {path}"])
+
+
+def _ops_command(rec: dict, path: str) -> str:
+    cmd = ["python benchmarks/ops.py", f"--rounds {rec['rounds']}", f"--dtype {rec['dtype']}"]
+    if rec.get("mode") == "forward":
+        cmd.append("--forward")
+    return " ".join(cmd + [f"--json {path}"])
+
+
+def _zoo_command(records: list, path: str) -> str:
+    steps = {r["steps"] for r in records}
+    size = "--quick" if steps == {100} else f"--steps {max(steps)}"
+    return f"python benchmarks/zoo.py {size} --json {path}"
+
+
+def _overhead(data: dict) -> str:
+    import overhead
+
+    return overhead.table(data)
+
+
+def _ops(data: dict) -> str:
+    import ops
+
+    return ops.table(data)
+
+
+def _zoo(data: list) -> str:
+    import zoo
+
+    nan = float("nan")  # the JSON writes a non-finite loss as null
+    fix = lambda r: {
+        **r,
+        **{k: nan if r[k] is None else r[k] for k in ("final_loss", "clean_loss")},
+    }
+    text = zoo.table([fix(r) for r in data], omit=("t/plain",))
+    return text.split("\n", 1)[1]  # the header line's configuration is in the README text
+
+
+# name -> (json path, table renderer, command rebuilt from the JSON's own parameters)
+TABLES: dict[str, tuple[str, Callable, Callable]] = {
+    "overhead": ("docs/overhead.json", _overhead, _overhead_command),
+    "zoo": ("docs/zoo_quick.json", _zoo, _zoo_command),
+    "ops": ("docs/ops.json", _ops, _ops_command),
+}
+
+
+def render_block(name: str) -> str:
+    """The generated text of one marker block (without the markers)."""
+    path, table, rebuild = TABLES[name]
+    data = json.loads((ROOT / path).read_text())
+    recorded = isinstance(data, dict) and data.get("command")
+    if recorded:
+        how = f"Written by `{data['command']}`."
+    else:
+        how = (
+            f"Written by `{rebuild(data, path)}` (rebuilt from the parameters `{path}` "
+            "records; the script now records its command)."
+        )
+    body = "\n".join(line.rstrip() for line in table(data).splitlines())
+    return f"{how}\n\n```\n{body}\n```\n"
+
+
+def render(text: str) -> str:
+    """``text`` with every known marker block regenerated; unknown names raise ValueError."""
+
+    def sub(m: re.Match) -> str:
+        name = m.group(2)
+        if name not in TABLES:
+            raise ValueError(f"README marker results:{name} has no table; have {sorted(TABLES)}")
+        return m.group(1) + render_block(name) + m.group(4)
+
+    return _MARK.sub(sub, text)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="only report whether README is current")
+    ap.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    args = ap.parse_args(argv)
+    old = args.readme.read_text()
+    new = render(old)
+    if args.check:
+        if new != old:
+            print(f"{args.readme} is out of date: run python benchmarks/readme.py")
+            return 1
+        print(f"{args.readme} is current")
+        return 0
+    args.readme.write_text(new)
+    print(f"rendered {len(_MARK.findall(old))} tables into {args.readme}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
