@@ -1,0 +1,423 @@
+"""Tier 1 false alarms on healthy training, and lead time on real precursors.
+
+Two questions, one script (issue 12):
+
+1. **Quiet on healthy training.** Clean runs of the demo decoder (``examples/demo.py``'s model,
+   corpus and learning rate; right padding only, so no fully-masked row) with the default
+   ``nan2safe.Config``: fp16, bf16, its MoE variant (4 experts, top 2) and its ``scan_layers``
+   variant. Per arm and seed: downshifts, steps not in FAST, the fraction of steps with risk
+   >= 0.5, and each probe's trigger rate (steps with that probe's risk >= 0.5). Goals: 0
+   downshifts, risk >= 0.5 on <= 1% of steps.
+
+2. **Early on real faults.** Precursor scenarios, each run *blind* (a ``Config`` whose detector
+   can never fire, so every gear stays FAST, as in a run without the library) until the first
+   non-finite value; the default detector and policy (``detector.update``, ``gear.decide``) are
+   then replayed on the recorded probe statistics. Up to the first downshift a live run computes
+   exactly what the blind run computed (gears are the only thing the detector changes, and they
+   act from the step after the decision), so the replayed first downshift is the live one.
+   Lead time = first non-finite step - first downshift step (> 0: the downshift came first).
+   Scenarios: the demo's q·k knob (layer 1's q·k scale grows 1.5x per step), and faults that
+   emerge from training itself: a learning rate 10-30x the demo's with no qk-norm (attention
+   logit growth, Wortsman et al., 2023) and output-logit divergence (adam, no weight decay, a
+   large learning rate), each in fp16 and bf16.
+
+"First non-finite value": the first step whose forward pass holds one (any probe's non-finite
+count, or the loss), or whose non-finite gradients are an incident rather than a loss-scale
+overflow (a scaled-gradient overflow with a finite loss is the dynamic loss scale's business,
+and is counted separately).
+
+Every arm runs in its own fresh subprocess, one after another (peak RSS from ``os.wait4``).
+
+Usage: ``python benchmarks/false_alarms.py [--quick] [--steps N] [--seeds N] [--arms a,b]
+[--scenarios a,b] [--json PATH]``. ``--quick``: 1 seed x 300 steps, short scenarios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+import numpy as np  # noqa: E402
+
+ARMS = {
+    "fp16": {"dtype": "float16"},
+    "bf16": {"dtype": "bfloat16"},
+    "moe_fp16": {"dtype": "float16", "num_experts": 4, "top_k": 2},
+    "scan_fp16": {"dtype": "float16", "scan_layers": True},
+}
+
+# name: (model options, optimizer, learning-rate multiple of the demo's, knob, max steps)
+SCENARIOS = {
+    "qk_knob_fp16": ({"dtype": "float16"}, "adamw", 1.0, "qk", 140),
+    "qk_knob_bf16": ({"dtype": "bfloat16"}, "adamw", 1.0, "qk", 140),
+    "attn_lr20_fp16": ({"dtype": "float16"}, "adamw", 20.0, None, 600),
+    "attn_lr20_bf16": ({"dtype": "bfloat16"}, "adamw", 20.0, None, 600),
+    "logits_adam_lr30_fp16": ({"dtype": "float16"}, "adam", 30.0, None, 600),
+    "logits_adam_lr30_bf16": ({"dtype": "bfloat16"}, "adam", 30.0, None, 600),
+}
+KNOB_START, KNOB_RATE = 70, 1.5  # the demo's q·k growth: from step 70, x1.5 per step
+AFTER_FAULT = 3  # blind steps recorded past the first non-finite one
+
+
+# ------------------------------------------------------------------------------ child side
+
+
+def _setup():
+    import jax.numpy as jnp
+
+    from examples import demo
+    from examples.transformer import Transformer, TransformerConfig, lm_loss, set_knob
+
+    return jnp, demo, Transformer, TransformerConfig, lm_loss, set_knob
+
+
+def _model_cfg(opts: dict):
+    jnp, demo, *_ = _setup()
+    kw = dict(opts)
+    kw["dtype"] = getattr(jnp, kw["dtype"])
+    return dataclasses.replace(demo.MODEL, **kw)
+
+
+def _clean_batches(seed: int):
+    """The demo's batches (same corpus, length and padding law), right-padded only."""
+    import jax.numpy as jnp
+
+    from examples import demo
+
+    text = np.frombuffer(demo.corpus().encode("ascii"), np.uint8).astype(np.int32)
+    rng = np.random.default_rng(seed)
+    t = demo.MODEL.seq_len
+    while True:
+        starts = rng.integers(0, len(text) - t, demo.BATCH)
+        tokens = np.stack([text[s : s + t] for s in starts])
+        lengths = rng.integers(t // 2, t + 1, demo.BATCH)
+        mask = np.arange(t)[None, :] < lengths[:, None]
+        yield {"tokens": jnp.asarray(np.where(mask, tokens, 0)), "mask": jnp.asarray(mask)}
+
+
+def _host(m: dict, keys) -> dict:
+    import jax
+
+    return jax.device_get({k: m[k] for k in keys})
+
+
+def run_clean(arm: str, seeds: int, steps: int) -> dict:
+    """One arm: ``seeds`` clean runs of ``steps`` steps, default Config, live gears."""
+    import optax
+    from flax import nnx
+
+    import nan2safe_jax as nan2safe
+
+    _, demo, Transformer, _, lm_loss, _ = _setup()
+    cfg = nan2safe.Config()
+    mcfg = _model_cfg(ARMS[arm])
+    step_fn = nan2safe.make_train_step(lm_loss)  # one jitted step for every seed
+    runs = []
+    for seed in range(seeds):
+        t0 = time.time()
+        state = nan2safe.TrainState.create(
+            Transformer(mcfg, rngs=nnx.Rngs(seed)), optax.adamw(demo.LR), cfg
+        )
+        names = state.detector.names
+        hits = np.zeros(len(names), np.int64)
+        gears, risks, losses, rec = [], [], [], []
+        first_down = None
+        data = _clean_batches(seed)
+        for t in range(steps):
+            state, m = step_fn(state, next(data))
+            h = _host(m, ("risk", "gear", "next_gear", "loss", "probe_risk", "probes"))
+            rec.append(np.stack([np.asarray(h["probes"][n], np.float32) for n in names]))
+            gears.append(int(h["gear"]))
+            risks.append(float(h["risk"]))
+            losses.append(float(h["loss"]))
+            hits += np.asarray([h["probe_risk"][n] >= 0.5 for n in names])
+            if first_down is None and int(h["next_gear"]) > int(h["gear"]):
+                first_down = t
+        gears_a, risks_a = np.asarray(gears), np.asarray(risks)
+        _record(f"clean_{arm}_s{seed}", names, rec, gears_a)
+        runs.append(
+            {
+                "seed": seed,
+                "steps": steps,
+                "downshifts": int(state.gear.downshifts),
+                "first_downshift": first_down,
+                "recoveries": int(state.gear.recoveries),
+                "steps_not_fast": int(np.sum(gears_a != 0)),
+                "risk_ge_half": int(np.sum(risks_a >= 0.5)),
+                "risk_ge_half_frac": float(np.mean(risks_a >= 0.5)),
+                "nonfinite_loss_steps": int(np.sum(~np.isfinite(losses))),
+                "loss_first10": float(np.mean(losses[:10])),
+                "loss_last10": float(np.mean(losses[-10:])),
+                "probe_trigger_rate": {
+                    n: float(c) / steps for n, c in zip(names, hits, strict=True)
+                },
+                "seconds": time.time() - t0,
+            }
+        )
+        print(f"  {arm} seed {seed}: {_clean_line(runs[-1])}", file=sys.stderr, flush=True)
+    return {"arm": arm, "model": ARMS[arm], "runs": runs}
+
+
+def _record(tag: str, names, rows, gears) -> None:
+    """Saves the probe statistics of a run under ``$N2S_RECORD`` (for offline calibration)."""
+    where = os.environ.get("N2S_RECORD")
+    if where:
+        Path(where).mkdir(parents=True, exist_ok=True)
+        np.savez(
+            Path(where) / f"{tag}.npz",
+            names=np.asarray(names),
+            stats=np.stack(rows),
+            gears=np.asarray(gears),
+        )
+
+
+def _first_downshift(names, probe_rows, downshift_now, cfg):
+    """Replays ``detector.update`` + ``gear.decide`` (``cfg``) on recorded statistics.
+
+    Returns ``(step, probes)``: the first step whose decision leaves FAST, and the probes whose
+    risk was >= 0.5 there (``(None, [])`` if none).
+    """
+    import jax
+
+    from nan2safe_jax import detector, gear
+
+    det = detector.DetectorState.create(names)
+    gs = gear.GearState.create({})
+    upd = jax.jit(detector.update, static_argnums=2)
+    for t, (rows, now) in enumerate(zip(probe_rows, downshift_now, strict=True)):
+        det, risk = upd(det, rows, cfg)
+        new = gear.decide(gs, risk.risk, now, cfg, calm=risk.calm)
+        if int(new.level) > 0:
+            per = np.asarray(risk.per_probe)
+            return t, [names[i] for i in np.argsort(-per) if per[i] >= 0.5][:4]
+    return None, []
+
+
+def run_scenario(name: str, max_steps: int) -> dict:
+    """One precursor scenario: a blind run to the first non-finite value, then the replay."""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import nan2safe_jax as nan2safe
+
+    _, demo, Transformer, _, lm_loss, set_knob = _setup()
+    opts, opt, lr_mult, knob, default_steps = SCENARIOS[name]
+    steps = min(max_steps, default_steps)
+    big = 1e30
+    blind = nan2safe.Config(z_threshold=big, diff_threshold=big, headroom_limit=1.0)
+    tx = {"adamw": optax.adamw, "adam": optax.adam}[opt](demo.LR * lr_mult)
+    state = nan2safe.TrainState.create(Transformer(_model_cfg(opts), rngs=nnx.Rngs(0)), tx, blind)
+    names = state.detector.names
+    # The gradient and update probes flag a loss-scale overflow, which is not a fault.
+    forward = np.asarray([n not in ("grad_norm", "update_norm") for n in names])
+    step_fn = nan2safe.make_train_step(lm_loss)
+    data = _clean_batches(0)
+    rows, now, first_bad, first_overflow, losses = [], [], None, None, []
+    t0 = time.time()
+    for t in range(steps):
+        if knob == "qk":
+            m = state.model
+            scale = KNOB_RATE ** max(t - KNOB_START, 0)
+            set_knob(m, "qk_scale", min(scale, 1e30), layer=1)
+            state = state.replace(rest=nnx.split(m, nnx.Param, ...)[2])
+        state, m = step_fn(state, next(data))
+        h = _host(m, ("probes", "loss", "incident", "overflow", "next_gear", "gear"))
+        p = np.stack([np.asarray(h["probes"][n], np.float32) for n in names])
+        rows.append(jnp.asarray(p))
+        losses.append(float(h["loss"]))
+        # The blind Config never fires on statistics; a non-finite step still downshifts.
+        now.append(bool(int(h["next_gear"]) > int(h["gear"])))
+        if first_overflow is None and bool(h["overflow"]):
+            first_overflow = t
+        bad = bool(np.any(p[forward, 3] > 0)) or not np.isfinite(losses[-1]) or bool(h["incident"])
+        if first_bad is None and bad:
+            first_bad = t
+        if first_bad is not None and t >= first_bad + AFTER_FAULT:
+            break
+        # The blind run keeps its gears FAST (what a run without the library does).
+        state = state.replace(
+            gear=nan2safe.GearState.create({k: v.shape for k, v in state.gear.sites.items()})
+        )
+    _record(f"scenario_{name}", names, [np.asarray(r) for r in rows], np.zeros(len(rows)))
+    down, probes = _first_downshift(names, rows, now, nan2safe.Config())
+    lead = None if (down is None or first_bad is None) else first_bad - down
+    out = {
+        "scenario": name,
+        "model": opts,
+        "optimizer": opt,
+        "lr": demo.LR * lr_mult,
+        "knob": knob,
+        "steps_run": len(rows),
+        "first_nonfinite": first_bad,
+        "first_loss_scale_overflow": first_overflow,
+        "first_downshift": down,
+        "downshift_probes": probes,
+        "lead_steps": lead,
+        "early": bool(lead is not None and lead > 0),
+        "loss_first10": float(np.mean(losses[:10])),
+        "seconds": time.time() - t0,
+    }
+    print(f"  {name}: {_scenario_line(out)}", file=sys.stderr, flush=True)
+    return out
+
+
+# ------------------------------------------------------------------------------ parent side
+
+
+def _clean_line(r: dict) -> str:
+    return (
+        f"downshifts {r['downshifts']}, not FAST {r['steps_not_fast']}/{r['steps']}, "
+        f"risk>=0.5 {r['risk_ge_half']}/{r['steps']} ({100 * r['risk_ge_half_frac']:.2f}%), "
+        f"loss {r['loss_first10']:.3f} -> {r['loss_last10']:.3f}"
+    )
+
+
+def _scenario_line(r: dict) -> str:
+    return (
+        f"first non-finite {r['first_nonfinite']}, first downshift {r['first_downshift']} "
+        f"({', '.join(r['downshift_probes'][:2])}), lead {r['lead_steps']}"
+    )
+
+
+def _child(kind: str, name: str, seeds: int, steps: int) -> tuple[dict, float]:
+    """Runs one arm in a fresh interpreter; returns its result and peak RSS in MiB."""
+    cmd = [sys.executable, __file__, "--child", kind, name, str(seeds), str(steps)]
+    env = dict(os.environ, PYTHONPATH=str(_REPO))
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True) as p:
+        out = p.stdout.read()
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        raise RuntimeError(f"{kind} {name} failed with exit code {p.returncode}")
+    return json.loads(out.strip().splitlines()[-1]), usage.ru_maxrss / 1024
+
+
+def _summary(arms: list[dict]) -> dict:
+    runs = [r for a in arms for r in a["runs"]]
+    steps = sum(r["steps"] for r in runs)
+    return {
+        "runs": len(runs),
+        "steps": steps,
+        "downshifts": sum(r["downshifts"] for r in runs),
+        "steps_not_fast": sum(r["steps_not_fast"] for r in runs),
+        "risk_ge_half_frac": sum(r["risk_ge_half"] for r in runs) / max(steps, 1),
+        "goal_zero_downshifts": all(r["downshifts"] == 0 for r in runs),
+        "goal_risk_le_1pct": sum(r["risk_ge_half"] for r in runs) <= 0.01 * steps,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="1 seed x 300 steps, short scenarios")
+    ap.add_argument("--steps", type=int, default=None, help="clean steps per seed (2000)")
+    ap.add_argument("--seeds", type=int, default=None, help="seeds per clean arm (3)")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--scenario-steps", type=int, default=None, help="cap on scenario steps")
+    ap.add_argument("--json", type=Path, default=_REPO / "docs" / "false_alarms.json")
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.child:
+        kind, name, seeds, steps = args.child
+        res = (
+            run_clean(name, int(seeds), int(steps))
+            if kind == "clean"
+            else run_scenario(name, int(steps))
+        )
+        print(json.dumps(res))
+        return 0
+
+    steps = args.steps or (300 if args.quick else 2000)
+    seeds = args.seeds or (1 if args.quick else 3)
+    sc_steps = args.scenario_steps or (200 if args.quick else 10**9)
+    arms = [a for a in args.arms.split(",") if a]
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    for a in arms:
+        if a not in ARMS:
+            ap.error(f"unknown arm {a!r}; known: {', '.join(ARMS)}")
+    for s in scenarios:
+        if s not in SCENARIOS:
+            ap.error(f"unknown scenario {s!r}; known: {', '.join(SCENARIOS)}")
+
+    import jax
+
+    from nan2safe_jax import Config
+
+    t_start = time.time()
+    clean, rss = [], {}
+    print(f"clean runs: {seeds} seed(s) x {steps} steps, default Config")
+    for a in arms:
+        res, mib = _child("clean", a, seeds, steps)
+        clean.append(res)
+        rss[f"clean/{a}"] = round(mib)
+    print(
+        f"\n{'arm':<12}{'seed':>5}{'downshifts':>11}{'not FAST':>10}{'risk>=0.5':>11}  "
+        "top probes (trigger rate)"
+    )
+    for a in clean:
+        for r in a["runs"]:
+            top = sorted(r["probe_trigger_rate"].items(), key=lambda kv: -kv[1])[:2]
+            tops = ", ".join(f"{n} {v:.3f}" for n, v in top if v > 0) or "-"
+            print(
+                f"{a['arm']:<12}{r['seed']:>5}{r['downshifts']:>11}{r['steps_not_fast']:>10}"
+                f"{100 * r['risk_ge_half_frac']:>10.2f}%  {tops}"
+            )
+    summary = _summary(clean)
+
+    precursors = []
+    for s in scenarios:
+        res, mib = _child("scenario", s, 1, sc_steps)
+        precursors.append(res)
+        rss[f"scenario/{s}"] = round(mib)
+    if precursors:
+        print(
+            f"\n{'scenario':<24}{'first non-finite':>17}{'first downshift':>16}{'lead':>6}  probes"
+        )
+        for r in precursors:
+            print(
+                f"{r['scenario']:<24}{str(r['first_nonfinite']):>17}"
+                f"{str(r['first_downshift']):>16}{str(r['lead_steps']):>6}  "
+                f"{', '.join(r['downshift_probes'][:2])}"
+            )
+    print(f"\nsummary: {json.dumps(summary)}")
+
+    doc = {
+        "command": " ".join(
+            [Path(sys.executable).name, "benchmarks/false_alarms.py", *sys.argv[1:]]
+        ),
+        "params": {
+            "quick": args.quick,
+            "seeds": seeds,
+            "steps": steps,
+            "arms": {a: ARMS[a] for a in arms},
+            "scenario_step_cap": None if sc_steps >= 10**9 else sc_steps,
+            "config": dataclasses.asdict(Config()),
+        },
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "wall_s": round(time.time() - t_start, 1),
+        "peak_rss_mib": rss,
+        "summary": summary,
+        "clean": clean,
+        "precursors": precursors,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
