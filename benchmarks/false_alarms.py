@@ -56,15 +56,20 @@ ARMS = {
     "scan_fp16": {"dtype": "float16", "scan_layers": True},
 }
 
-# name: (model options, optimizer, learning-rate multiple of the demo's, knob, max steps)
+# name: (model options, optimizer, peak learning rate as a multiple of the demo's, knob, steps).
+# Optimizers: "adamw" (the demo's); "warmup": adamw with a linear warmup to the peak over
+# WARMUP steps (so that the run gets past the loss scale's first steps and the fault has to
+# grow out of the dynamics); "head": the LM head alone trained by adam (no weight decay) at the
+# peak rate after the same warmup, the rest by the demo's adamw (output-logit divergence).
 SCENARIOS = {
     "qk_knob_fp16": ({"dtype": "float16"}, "adamw", 1.0, "qk", 140),
     "qk_knob_bf16": ({"dtype": "bfloat16"}, "adamw", 1.0, "qk", 140),
-    "attn_lr20_fp16": ({"dtype": "float16"}, "adamw", 20.0, None, 600),
-    "attn_lr20_bf16": ({"dtype": "bfloat16"}, "adamw", 20.0, None, 600),
-    "logits_adam_lr30_fp16": ({"dtype": "float16"}, "adam", 30.0, None, 600),
-    "logits_adam_lr30_bf16": ({"dtype": "bfloat16"}, "adam", 30.0, None, 600),
+    "attn_lr20_fp16": ({"dtype": "float16"}, "warmup", 20.0, None, 500),
+    "attn_lr20_bf16": ({"dtype": "bfloat16"}, "warmup", 20.0, None, 500),
+    "logits_head_lr30_fp16": ({"dtype": "float16"}, "head", 30.0, None, 500),
+    "logits_head_lr30_bf16": ({"dtype": "bfloat16"}, "head", 30.0, None, 500),
 }
+WARMUP = 100
 KNOB_START, KNOB_RATE = 70, 1.5  # the demo's q·k growth: from step 70, x1.5 per step
 AFTER_FAULT = 3  # blind steps recorded past the first non-finite one
 
@@ -203,10 +208,27 @@ def _first_downshift(names, probe_rows, downshift_now, cfg):
     return None, []
 
 
+def _optimizer(kind: str, lr: float, mult: float):
+    """The scenario's optimizer (see ``SCENARIOS``)."""
+    import jax
+    import optax
+
+    if kind == "adamw":
+        return optax.adamw(lr * mult)
+    ramp = optax.linear_schedule(lr, lr * mult, WARMUP)
+    if kind == "warmup":
+        return optax.adamw(ramp)
+
+    def labels(params):
+        path_of = lambda path, _: "head" if "head" in jax.tree_util.keystr(path) else "rest"
+        return jax.tree_util.tree_map_with_path(path_of, params)
+
+    return optax.multi_transform({"head": optax.adam(ramp), "rest": optax.adamw(lr)}, labels)
+
+
 def run_scenario(name: str, max_steps: int) -> dict:
     """One precursor scenario: a blind run to the first non-finite value, then the replay."""
     import jax.numpy as jnp
-    import optax
     from flax import nnx
 
     import nan2safe_jax as nan2safe
@@ -216,7 +238,7 @@ def run_scenario(name: str, max_steps: int) -> dict:
     steps = min(max_steps, default_steps)
     big = 1e30
     blind = nan2safe.Config(z_threshold=big, diff_threshold=big, headroom_limit=1.0)
-    tx = {"adamw": optax.adamw, "adam": optax.adam}[opt](demo.LR * lr_mult)
+    tx = _optimizer(opt, demo.LR, lr_mult)
     state = nan2safe.TrainState.create(Transformer(_model_cfg(opts), rngs=nnx.Rngs(0)), tx, blind)
     names = state.detector.names
     # The gradient and update probes flag a loss-scale overflow, which is not a fault.
@@ -317,15 +339,44 @@ def _summary(arms: list[dict]) -> dict:
     }
 
 
+def _print_clean(clean: list[dict]) -> None:
+    print(
+        f"\n{'arm':<12}{'seed':>5}{'downshifts':>11}{'not FAST':>10}{'risk>=0.5':>11}  "
+        "top probes (trigger rate)"
+    )
+    for a in clean:
+        for r in a["runs"]:
+            top = sorted(r["probe_trigger_rate"].items(), key=lambda kv: -kv[1])[:2]
+            tops = ", ".join(f"{n} {v:.4f}" for n, v in top if v > 0) or "-"
+            print(
+                f"{a['arm']:<12}{r['seed']:>5}{r['downshifts']:>11}{r['steps_not_fast']:>10}"
+                f"{100 * r['risk_ge_half_frac']:>10.2f}%  {tops}"
+            )
+
+
+def _print_precursors(precursors: list[dict]) -> None:
+    print(f"\n{'scenario':<26}{'first non-finite':>17}{'first downshift':>16}{'lead':>6}  probes")
+    for r in precursors:
+        print(
+            f"{r['scenario']:<26}{str(r['first_nonfinite']):>17}"
+            f"{str(r['first_downshift']):>16}{str(r['lead_steps']):>6}  "
+            f"{', '.join(r['downshift_probes'][:2])}"
+        )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 seed x 300 steps, short scenarios")
     ap.add_argument("--steps", type=int, default=None, help="clean steps per seed (2000)")
     ap.add_argument("--seeds", type=int, default=None, help="seeds per clean arm (3)")
+    ap.add_argument("--arm-seeds", default="", help="per-arm seeds, e.g. moe_fp16=1,scan_fp16=1")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--scenario-steps", type=int, default=None, help="cap on scenario steps")
     ap.add_argument("--json", type=Path, default=_REPO / "docs" / "false_alarms.json")
+    ap.add_argument(
+        "--update", action="store_true", help="merge into --json: replace only what this run ran"
+    )
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -341,10 +392,14 @@ def main(argv=None) -> int:
 
     steps = args.steps or (300 if args.quick else 2000)
     seeds = args.seeds or (1 if args.quick else 3)
+    arm_seeds = {}
+    for item in filter(None, args.arm_seeds.split(",")):
+        k, _, v = item.partition("=")
+        arm_seeds[k] = int(v)
     sc_steps = args.scenario_steps or (200 if args.quick else 10**9)
     arms = [a for a in args.arms.split(",") if a]
     scenarios = [s for s in args.scenarios.split(",") if s]
-    for a in arms:
+    for a in [*arms, *arm_seeds]:
         if a not in ARMS:
             ap.error(f"unknown arm {a!r}; known: {', '.join(ARMS)}")
     for s in scenarios:
@@ -356,63 +411,53 @@ def main(argv=None) -> int:
     from nan2safe_jax import Config
 
     t_start = time.time()
+    command = " ".join(["python", "benchmarks/false_alarms.py", *sys.argv[1:]])
     clean, rss = [], {}
-    print(f"clean runs: {seeds} seed(s) x {steps} steps, default Config")
     for a in arms:
-        res, mib = _child("clean", a, seeds, steps)
+        n = arm_seeds.get(a, seeds)
+        print(f"clean {a}: {n} seed(s) x {steps} steps, default Config", flush=True)
+        res, mib = _child("clean", a, n, steps)
+        res.update(command=command, peak_rss_mib=round(mib))
         clean.append(res)
         rss[f"clean/{a}"] = round(mib)
-    print(
-        f"\n{'arm':<12}{'seed':>5}{'downshifts':>11}{'not FAST':>10}{'risk>=0.5':>11}  "
-        "top probes (trigger rate)"
-    )
-    for a in clean:
-        for r in a["runs"]:
-            top = sorted(r["probe_trigger_rate"].items(), key=lambda kv: -kv[1])[:2]
-            tops = ", ".join(f"{n} {v:.3f}" for n, v in top if v > 0) or "-"
-            print(
-                f"{a['arm']:<12}{r['seed']:>5}{r['downshifts']:>11}{r['steps_not_fast']:>10}"
-                f"{100 * r['risk_ge_half_frac']:>10.2f}%  {tops}"
-            )
-    summary = _summary(clean)
-
     precursors = []
     for s in scenarios:
+        print(f"scenario {s}", flush=True)
         res, mib = _child("scenario", s, 1, sc_steps)
+        res.update(command=command, peak_rss_mib=round(mib))
         precursors.append(res)
         rss[f"scenario/{s}"] = round(mib)
-    if precursors:
-        print(
-            f"\n{'scenario':<24}{'first non-finite':>17}{'first downshift':>16}{'lead':>6}  probes"
-        )
-        for r in precursors:
-            print(
-                f"{r['scenario']:<24}{str(r['first_nonfinite']):>17}"
-                f"{str(r['first_downshift']):>16}{str(r['lead_steps']):>6}  "
-                f"{', '.join(r['downshift_probes'][:2])}"
-            )
-    print(f"\nsummary: {json.dumps(summary)}")
 
-    doc = {
-        "command": " ".join(
-            [Path(sys.executable).name, "benchmarks/false_alarms.py", *sys.argv[1:]]
-        ),
-        "params": {
+    doc = {"runs": [], "clean": [], "precursors": []}
+    if args.update and args.json.exists():
+        doc = json.loads(args.json.read_text())
+    doc["clean"] = [c for c in doc["clean"] if c["arm"] not in arms] + clean
+    doc["clean"].sort(key=lambda c: list(ARMS).index(c["arm"]))
+    doc["precursors"] = [p for p in doc["precursors"] if p["scenario"] not in scenarios]
+    doc["precursors"] += precursors
+    doc["precursors"].sort(key=lambda p: list(SCENARIOS).index(p["scenario"]))
+    doc["runs"].append(
+        {
+            "command": command,
             "quick": args.quick,
-            "seeds": seeds,
             "steps": steps,
-            "arms": {a: ARMS[a] for a in arms},
+            "seeds": seeds,
+            "arm_seeds": arm_seeds,
+            "arms": arms,
+            "scenarios": scenarios,
             "scenario_step_cap": None if sc_steps >= 10**9 else sc_steps,
-            "config": dataclasses.asdict(Config()),
-        },
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "wall_s": round(time.time() - t_start, 1),
-        "peak_rss_mib": rss,
-        "summary": summary,
-        "clean": clean,
-        "precursors": precursors,
-    }
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "wall_s": round(time.time() - t_start, 1),
+            "peak_rss_mib": rss,
+        }
+    )
+    doc["config"] = dataclasses.asdict(Config())
+    doc["models"] = {"clean": ARMS, "scenarios": {k: list(v) for k, v in SCENARIOS.items()}}
+    doc["summary"] = _summary(doc["clean"])
+    _print_clean(doc["clean"])
+    _print_precursors(doc["precursors"])
+    print(f"\nsummary: {json.dumps(doc['summary'])}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.json}")
