@@ -16,10 +16,16 @@ Two questions, one script (issue 12):
    exactly what the blind run computed (gears are the only thing the detector changes, and they
    act from the step after the decision), so the replayed first downshift is the live one.
    Lead time = first non-finite step - first downshift step (> 0: the downshift came first).
-   Scenarios: the demo's q·k knob (layer 1's q·k scale grows 1.5x per step), and faults that
-   emerge from training itself: a learning rate 10-30x the demo's with no qk-norm (attention
-   logit growth, Wortsman et al., 2023) and output-logit divergence (adam, no weight decay, a
-   large learning rate), each in fp16 and bf16.
+   Scenarios: the demo's q·k knob (layer 1's q·k scale grows 1.5x per step from step 70), and
+   faults that emerge from training itself: a learning rate warmed up to 20x the demo's with
+   no qk-norm (attention-logit growth, as in small-scale proxies of large-model instabilities,
+   Wortsman et al., 2023) and the LM head alone trained by adam at 30x (output-logit
+   divergence), each in fp16 and bf16. bf16 has the range of f32: its runs may never produce a
+   non-finite value, which the table then says.
+
+3. **What a false alarm costs.** ``alarm_recovery_fp16``: clean training with the default
+   Config and a downshift forced at step 300; the steps until FAST again (staged recovery:
+   ``recovery_window`` calm steps in STABLE).
 
 "First non-finite value": the first step whose forward pass holds one (any probe's non-finite
 count, or the loss), or whose non-finite gradients are an incident rather than a loss-scale
@@ -68,7 +74,9 @@ SCENARIOS = {
     "attn_lr20_bf16": ({"dtype": "bfloat16"}, "warmup", 20.0, None, 500),
     "logits_head_lr30_fp16": ({"dtype": "float16"}, "head", 30.0, None, 500),
     "logits_head_lr30_bf16": ({"dtype": "bfloat16"}, "head", 30.0, None, 500),
+    "alarm_recovery_fp16": ({"dtype": "float16"}, "adamw", 1.0, "alarm", 600),
 }
+ALARM_AT = 300  # alarm_recovery: a forced (false) downshift at this step of clean training
 WARMUP = 100
 KNOB_START, KNOB_RATE = 70, 1.5  # the demo's q·k growth: from step 70, x1.5 per step
 AFTER_FAULT = 3  # blind steps recorded past the first non-finite one
@@ -226,8 +234,58 @@ def _optimizer(kind: str, lr: float, mult: float):
     return optax.multi_transform({"head": optax.adam(ramp), "rest": optax.adamw(lr)}, labels)
 
 
+def run_recovery(name: str, max_steps: int) -> dict:
+    """What a false alarm costs: clean training, live default Config, a downshift forced at
+    ``ALARM_AT``; counts the steps until every gear is FAST again (SPEC: one recovery window).
+    """
+    from flax import nnx
+
+    import nan2safe_jax as nan2safe
+    from nan2safe_jax import gear as gear_lib
+
+    _, demo, Transformer, _, lm_loss, _ = _setup()
+    opts, opt, lr_mult, _, default_steps = SCENARIOS[name]
+    steps = min(max_steps, default_steps)
+    cfg = nan2safe.Config()
+    state = nan2safe.TrainState.create(
+        Transformer(_model_cfg(opts), rngs=nnx.Rngs(0)), _optimizer(opt, demo.LR, lr_mult), cfg
+    )
+    step_fn = nan2safe.make_train_step(lm_loss)
+    data = _clean_batches(0)
+    back, not_calm, t0 = None, 0, time.time()
+    for t in range(steps):
+        if t == ALARM_AT:
+            state = state.replace(gear=gear_lib.set_level(state.gear, nan2safe.Gear.STABLE, cfg))
+        state, m = step_fn(state, next(data))
+        h = _host(m, ("gear", "next_gear", "calm"))
+        if t >= ALARM_AT and back is None:
+            not_calm += int(not bool(h["calm"]))
+            if int(h["next_gear"]) == 0:
+                back = t + 1
+        if back is not None and t >= back + 20:
+            break
+    out = {
+        "scenario": name,
+        "model": opts,
+        "optimizer": opt,
+        "lr": demo.LR * lr_mult,
+        "knob": "alarm",
+        "alarm_at": ALARM_AT,
+        "back_to_fast_at": back,
+        "steps_not_fast": None if back is None else back - ALARM_AT,
+        "not_calm_steps_in_stable": not_calm,
+        "recovery_window": cfg.recovery_window,
+        "downshifts_after": int(state.gear.downshifts),
+        "seconds": time.time() - t0,
+    }
+    print(f"  {name}: back to FAST after {out['steps_not_fast']} steps", file=sys.stderr)
+    return out
+
+
 def run_scenario(name: str, max_steps: int) -> dict:
     """One precursor scenario: a blind run to the first non-finite value, then the replay."""
+    if SCENARIOS[name][3] == "alarm":
+        return run_recovery(name, max_steps)
     import jax.numpy as jnp
     from flax import nnx
 
@@ -357,6 +415,12 @@ def _print_clean(clean: list[dict]) -> None:
 def _print_precursors(precursors: list[dict]) -> None:
     print(f"\n{'scenario':<26}{'first non-finite':>17}{'first downshift':>16}{'lead':>6}  probes")
     for r in precursors:
+        if r["knob"] == "alarm":
+            print(
+                f"{r['scenario']:<26} forced downshift at {r['alarm_at']}: back to FAST after "
+                f"{r['steps_not_fast']} steps (recovery_window {r['recovery_window']})"
+            )
+            continue
         print(
             f"{r['scenario']:<26}{str(r['first_nonfinite']):>17}"
             f"{str(r['first_downshift']):>16}{str(r['lead_steps']):>6}  "
