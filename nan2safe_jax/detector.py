@@ -3,6 +3,12 @@
 Detection is cheap and always on: a probe is one tensor's ``stats`` (a handful of ``lax``
 reductions, on device), and ``update`` turns the statistics of every probe into one risk score
 (SPEC.md, "Tier 1"). Deciding what to do with the score is ``gear.decide``'s job, not this one's.
+
+The score is calibrated, so that healthy training reads as a flat line at 0: each signal's
+threshold follows from a target false-alarm rate shared over the probes (``thresholds``), the
+acceleration signal counts only near the dtype's limit, the baseline is a winsorized EMA that a
+precursor cannot hijack, and the headroom line needs no baseline at all. ``-inf`` (a mask fill)
+is neither an overflow nor a non-finite value for a probe (``nonfinite_count``, ``headroom``).
 """
 
 from __future__ import annotations
@@ -121,7 +127,7 @@ class Risk(NamedTuple):
     per_probe: jax.Array  # f32[P]
     z: jax.Array  # f32[P] z-score of max_abs against the baseline (0 while warming up)
     d2: jax.Array  # f32[P] second difference in baseline std units
-    calm: jax.Array  # bool[] no signal fired and every warm probe's z below half its threshold
+    calm: jax.Array  # bool[] no signal fired and every z below the calm line (Thresholds.calm)
     nonfinite: jax.Array  # f32[] non-finite elements over all probes
 
 
@@ -178,7 +184,7 @@ def thresholds(cfg: Config, num_probes: int) -> Thresholds:
       num_probes: the number of probes the maximum is taken over.
 
     Returns:
-      ``Thresholds(z, d2, rate)``.
+      ``Thresholds(z, d2, calm, rate)``.
     """
     p = max(int(num_probes), 1)
     if cfg.false_alarm_rate is None:

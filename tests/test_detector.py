@@ -315,19 +315,25 @@ def test_linear_drift_is_not_a_precursor():
     assert (risk[Config().min_history :] >= 0.5).mean() <= 0.005
 
 
-@pytest.mark.parametrize("rate", [1.35, 1.5, 2.0])
+@pytest.mark.parametrize("rate", [1.1, 1.35, 1.5, 2.0])
 def test_geometric_growth_downshifts_before_overflow(rate):
     # An fp16 statistic: stationary around 8, then growing geometrically until it overflows.
     rng = np.random.default_rng(2)
     calm_steps = 400
-    growth = np.float32(rate) ** np.arange(1, 60, dtype=np.float32)
-    series = np.concatenate([8 + 0.4 * rng.gumbel(size=calm_steps), 8 * growth])
+    growth = np.float32(rate) ** np.arange(1, 120, dtype=np.float32)
+    series = np.concatenate([8 + 0.4 * rng.gumbel(size=calm_steps), 8 * growth[growth < 1e6]])
     overflow = int(np.argmax(series > 65504))
     series = series[: overflow + 1].astype(np.float32)[:, None]
     head = np.minimum(series / 65504, 1.0)
-    _, risk, _ = _scan(series, Config(), head=head)
-    first = int(np.argmax(risk >= Config().trigger_risk))
+    cfg = Config()
+    _, risk, _ = _scan(series, cfg, head=head)
+    first = int(np.argmax(risk >= cfg.trigger_risk))
     assert risk[first] >= 1.0 and calm_steps <= first < overflow
-    # Lead: at least the steps the value takes from headroom_limit to overflow, i.e. the
-    # headroom line is a floor and the z + d2 pair may only add to it.
-    assert overflow - first >= math.floor(math.log(1 / Config().headroom_limit, rate))
+    # The headroom line alone is a floor for the lead...
+    assert first <= int(np.argmax(head[:, 0] >= cfg.headroom_limit))
+    if rate >= 1.35:
+        # ... and for fast growth z + d2 fire as soon as the value is within diff_headroom of
+        # the limit (eight doublings): a lead of log(256) / log(rate) steps, not one or two.
+        gate = int(np.argmax(head[:, 0] >= cfg.diff_headroom))
+        assert first <= gate
+        assert overflow - first >= math.floor(math.log(1 / (2 * cfg.diff_headroom), rate))
