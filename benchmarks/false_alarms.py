@@ -144,18 +144,29 @@ def run_clean(arm: str, seeds: int, steps: int) -> dict:
         names = state.detector.names
         hits = np.zeros(len(names), np.int64)
         gears, risks, losses, rec = [], [], [], []
-        first_down = None
+        first_down, first_incident = None, None
+        by_risk = by_nonfinite = incidents = overflows = 0
         data = _clean_batches(seed)
         for t in range(steps):
             state, m = step_fn(state, next(data))
-            h = _host(m, ("risk", "gear", "next_gear", "loss", "probe_risk", "probes"))
+            keys = ("risk", "gear", "next_gear", "loss", "probe_risk", "probes", "incident")
+            h = _host(m, (*keys, "overflow"))
             rec.append(np.stack([np.asarray(h["probes"][n], np.float32) for n in names]))
             gears.append(int(h["gear"]))
             risks.append(float(h["risk"]))
             losses.append(float(h["loss"]))
             hits += np.asarray([h["probe_risk"][n] >= 0.5 for n in names])
-            if first_down is None and int(h["next_gear"]) > int(h["gear"]):
-                first_down = t
+            incidents += int(bool(h["incident"]))
+            overflows += int(bool(h["overflow"]))
+            if first_incident is None and bool(h["incident"]):
+                first_incident = t
+            if int(h["next_gear"]) > int(h["gear"]):
+                first_down = t if first_down is None else first_down
+                # What made the policy downshift: the risk score, or a non-finite step.
+                if float(h["risk"]) >= cfg.trigger_risk:
+                    by_risk += 1
+                else:
+                    by_nonfinite += 1
         gears_a, risks_a = np.asarray(gears), np.asarray(risks)
         _record(f"clean_{arm}_s{seed}", names, rec, gears_a)
         runs.append(
@@ -163,7 +174,12 @@ def run_clean(arm: str, seeds: int, steps: int) -> dict:
                 "seed": seed,
                 "steps": steps,
                 "downshifts": int(state.gear.downshifts),
+                "downshifts_by_risk": by_risk,
+                "downshifts_by_nonfinite": by_nonfinite,
                 "first_downshift": first_down,
+                "incident_steps": incidents,
+                "first_incident": first_incident,
+                "loss_scale_overflow_steps": overflows,
                 "recoveries": int(state.gear.recoveries),
                 "steps_not_fast": int(np.sum(gears_a != 0)),
                 "risk_ge_half": int(np.sum(risks_a >= 0.5)),
@@ -390,25 +406,31 @@ def _summary(arms: list[dict]) -> dict:
         "runs": len(runs),
         "steps": steps,
         "downshifts": sum(r["downshifts"] for r in runs),
+        "downshifts_by_risk": sum(r.get("downshifts_by_risk", 0) for r in runs),
+        "downshifts_by_nonfinite": sum(r.get("downshifts_by_nonfinite", 0) for r in runs),
+        "incident_steps": sum(r.get("incident_steps", 0) for r in runs),
         "steps_not_fast": sum(r["steps_not_fast"] for r in runs),
         "risk_ge_half_frac": sum(r["risk_ge_half"] for r in runs) / max(steps, 1),
         "goal_zero_downshifts": all(r["downshifts"] == 0 for r in runs),
+        "goal_zero_false_alarm_downshifts": all(r.get("downshifts_by_risk", 0) == 0 for r in runs),
         "goal_risk_le_1pct": sum(r["risk_ge_half"] for r in runs) <= 0.01 * steps,
     }
 
 
 def _print_clean(clean: list[dict]) -> None:
     print(
-        f"\n{'arm':<12}{'seed':>5}{'downshifts':>11}{'not FAST':>10}{'risk>=0.5':>11}  "
-        "top probes (trigger rate)"
+        f"\n{'arm':<11}{'seed':>5}{'steps':>6}{'downshifts':>11}{'(risk/nonfin)':>14}"
+        f"{'incidents':>10}{'not FAST':>9}{'risk>=0.5':>10}  top probes (trigger rate)"
     )
     for a in clean:
         for r in a["runs"]:
             top = sorted(r["probe_trigger_rate"].items(), key=lambda kv: -kv[1])[:2]
             tops = ", ".join(f"{n} {v:.4f}" for n, v in top if v > 0) or "-"
+            cause = f"{r.get('downshifts_by_risk', '?')}/{r.get('downshifts_by_nonfinite', '?')}"
             print(
-                f"{a['arm']:<12}{r['seed']:>5}{r['downshifts']:>11}{r['steps_not_fast']:>10}"
-                f"{100 * r['risk_ge_half_frac']:>10.2f}%  {tops}"
+                f"{a['arm']:<11}{r['seed']:>5}{r['steps']:>6}{r['downshifts']:>11}{cause:>14}"
+                f"{r.get('incident_steps', '?'):>10}{r['steps_not_fast']:>9}"
+                f"{100 * r['risk_ge_half_frac']:>9.2f}%  {tops}"
             )
 
 
@@ -434,6 +456,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="clean steps per seed (2000)")
     ap.add_argument("--seeds", type=int, default=None, help="seeds per clean arm (3)")
     ap.add_argument("--arm-seeds", default="", help="per-arm seeds, e.g. moe_fp16=1,scan_fp16=1")
+    ap.add_argument("--arm-steps", default="", help="per-arm steps, e.g. moe_fp16=1000")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--scenario-steps", type=int, default=None, help="cap on scenario steps")
@@ -456,14 +479,15 @@ def main(argv=None) -> int:
 
     steps = args.steps or (300 if args.quick else 2000)
     seeds = args.seeds or (1 if args.quick else 3)
-    arm_seeds = {}
-    for item in filter(None, args.arm_seeds.split(",")):
-        k, _, v = item.partition("=")
-        arm_seeds[k] = int(v)
+    arm_seeds, arm_steps = {}, {}
+    for spec, into in ((args.arm_seeds, arm_seeds), (args.arm_steps, arm_steps)):
+        for item in filter(None, spec.split(",")):
+            k, _, v = item.partition("=")
+            into[k] = int(v)
     sc_steps = args.scenario_steps or (200 if args.quick else 10**9)
     arms = [a for a in args.arms.split(",") if a]
     scenarios = [s for s in args.scenarios.split(",") if s]
-    for a in [*arms, *arm_seeds]:
+    for a in [*arms, *arm_seeds, *arm_steps]:
         if a not in ARMS:
             ap.error(f"unknown arm {a!r}; known: {', '.join(ARMS)}")
     for s in scenarios:
@@ -478,9 +502,9 @@ def main(argv=None) -> int:
     command = " ".join(["python", "benchmarks/false_alarms.py", *sys.argv[1:]])
     clean, rss = [], {}
     for a in arms:
-        n = arm_seeds.get(a, seeds)
-        print(f"clean {a}: {n} seed(s) x {steps} steps, default Config", flush=True)
-        res, mib = _child("clean", a, n, steps)
+        n, k = arm_seeds.get(a, seeds), arm_steps.get(a, steps)
+        print(f"clean {a}: {n} seed(s) x {k} steps, default Config", flush=True)
+        res, mib = _child("clean", a, n, k)
         res.update(command=command, peak_rss_mib=round(mib))
         clean.append(res)
         rss[f"clean/{a}"] = round(mib)
@@ -507,6 +531,7 @@ def main(argv=None) -> int:
             "steps": steps,
             "seeds": seeds,
             "arm_seeds": arm_seeds,
+            "arm_steps": arm_steps,
             "arms": arms,
             "scenarios": scenarios,
             "scenario_step_cap": None if sc_steps >= 10**9 else sc_steps,
