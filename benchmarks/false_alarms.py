@@ -457,6 +457,80 @@ def _print_precursors(precursors: list[dict]) -> None:
         )
 
 
+def _merge(doc: dict, clean: list[dict], precursors: list[dict]) -> dict:
+    """``doc`` with ``clean`` arms and ``precursors`` replacing the entries of the same name."""
+    names = {c["arm"] for c in clean}
+    doc["clean"] = [c for c in doc["clean"] if c["arm"] not in names] + clean
+    doc["clean"].sort(key=lambda c: list(ARMS).index(c["arm"]))
+    names = {p["scenario"] for p in precursors}
+    doc["precursors"] = [p for p in doc["precursors"] if p["scenario"] not in names]
+    doc["precursors"] += precursors
+    doc["precursors"].sort(key=lambda p: list(SCENARIOS).index(p["scenario"]))
+    return doc
+
+
+def _write(
+    args,
+    command,
+    steps,
+    seeds,
+    arm_seeds,
+    arm_steps,
+    arms,
+    scenarios,
+    sc_steps,
+    clean,
+    precursors,
+    rss,
+    t_start,
+    final=False,
+) -> None:
+    """Writes (or, with ``--update``, merges into) ``--json``; called after every arm, so an
+    interrupted run keeps what finished (``runs[-1].complete`` says whether it all ran)."""
+    import jax
+
+    from nan2safe_jax import Config
+
+    doc = {"runs": [], "clean": [], "precursors": []}
+    base = getattr(args, "_base", None)
+    if base is None:
+        base = json.loads(args.json.read_text()) if args.update and args.json.exists() else doc
+        args._base = base
+    doc = _merge(json.loads(json.dumps(base)), clean, precursors)
+    for extra in args.merge:
+        other = json.loads(Path(extra).read_text())
+        doc = _merge(doc, other["clean"], other["precursors"])
+        doc["runs"] += other["runs"]
+    doc["runs"].append(
+        {
+            "command": command,
+            "complete": final,
+            "quick": args.quick,
+            "steps": steps,
+            "seeds": seeds,
+            "arm_seeds": arm_seeds,
+            "arm_steps": arm_steps,
+            "arms": arms,
+            "scenarios": scenarios,
+            "scenario_step_cap": None if sc_steps >= 10**9 else sc_steps,
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "wall_s": round(time.time() - t_start, 1),
+            "peak_rss_mib": rss,
+        }
+    )
+    doc["config"] = dataclasses.asdict(Config())
+    doc["models"] = {"clean": ARMS, "scenarios": {k: list(v) for k, v in SCENARIOS.items()}}
+    doc["summary"] = _summary(doc["clean"])
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    if final:
+        _print_clean(doc["clean"])
+        _print_precursors(doc["precursors"])
+        print(f"\nsummary: {json.dumps(doc['summary'])}")
+        print(f"wrote {args.json}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 seed x 300 steps, short scenarios")
@@ -470,6 +544,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=_REPO / "docs" / "false_alarms.json")
     ap.add_argument(
         "--update", action="store_true", help="merge into --json: replace only what this run ran"
+    )
+    ap.add_argument(
+        "--merge", nargs="*", default=[], help="also merge these JSON files (other runs)"
     )
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -501,13 +578,9 @@ def main(argv=None) -> int:
         if s not in SCENARIOS:
             ap.error(f"unknown scenario {s!r}; known: {', '.join(SCENARIOS)}")
 
-    import jax
-
-    from nan2safe_jax import Config
-
     t_start = time.time()
     command = " ".join(["python", "benchmarks/false_alarms.py", *sys.argv[1:]])
-    clean, rss = [], {}
+    clean, precursors, rss = [], [], {}
     for a in arms:
         n, k = arm_seeds.get(a, seeds), arm_steps.get(a, steps)
         print(f"clean {a}: {n} seed(s) x {k} steps, default Config", flush=True)
@@ -515,48 +588,59 @@ def main(argv=None) -> int:
         res.update(command=command, peak_rss_mib=round(mib))
         clean.append(res)
         rss[f"clean/{a}"] = round(mib)
-    precursors = []
+        _write(
+            args,
+            command,
+            steps,
+            seeds,
+            arm_seeds,
+            arm_steps,
+            arms,
+            scenarios,
+            sc_steps,
+            clean,
+            precursors,
+            rss,
+            t_start,
+        )
     for s in scenarios:
         print(f"scenario {s}", flush=True)
         res, mib = _child("scenario", s, 1, sc_steps)
         res.update(command=command, peak_rss_mib=round(mib))
         precursors.append(res)
         rss[f"scenario/{s}"] = round(mib)
+        _write(
+            args,
+            command,
+            steps,
+            seeds,
+            arm_seeds,
+            arm_steps,
+            arms,
+            scenarios,
+            sc_steps,
+            clean,
+            precursors,
+            rss,
+            t_start,
+        )
 
-    doc = {"runs": [], "clean": [], "precursors": []}
-    if args.update and args.json.exists():
-        doc = json.loads(args.json.read_text())
-    doc["clean"] = [c for c in doc["clean"] if c["arm"] not in arms] + clean
-    doc["clean"].sort(key=lambda c: list(ARMS).index(c["arm"]))
-    doc["precursors"] = [p for p in doc["precursors"] if p["scenario"] not in scenarios]
-    doc["precursors"] += precursors
-    doc["precursors"].sort(key=lambda p: list(SCENARIOS).index(p["scenario"]))
-    doc["runs"].append(
-        {
-            "command": command,
-            "quick": args.quick,
-            "steps": steps,
-            "seeds": seeds,
-            "arm_seeds": arm_seeds,
-            "arm_steps": arm_steps,
-            "arms": arms,
-            "scenarios": scenarios,
-            "scenario_step_cap": None if sc_steps >= 10**9 else sc_steps,
-            "jax": jax.__version__,
-            "backend": jax.default_backend(),
-            "wall_s": round(time.time() - t_start, 1),
-            "peak_rss_mib": rss,
-        }
+    _write(
+        args,
+        command,
+        steps,
+        seeds,
+        arm_seeds,
+        arm_steps,
+        arms,
+        scenarios,
+        sc_steps,
+        clean,
+        precursors,
+        rss,
+        t_start,
+        final=True,
     )
-    doc["config"] = dataclasses.asdict(Config())
-    doc["models"] = {"clean": ARMS, "scenarios": {k: list(v) for k, v in SCENARIOS.items()}}
-    doc["summary"] = _summary(doc["clean"])
-    _print_clean(doc["clean"])
-    _print_precursors(doc["precursors"])
-    print(f"\nsummary: {json.dumps(doc['summary'])}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {args.json}")
     return 0
 
 
