@@ -34,6 +34,7 @@ __all__ = [
     "cond_branches",
     "empty_name_stack",
     "eqn_name_stack",
+    "eqn_user_frames",
     "eqn_user_source",
     "has_sub_jaxpr",
     "is_literal",
@@ -171,6 +172,14 @@ def eqn_user_source(eqn: Any) -> str | None:
     if frame is None:
         return None
     return f"{frame.file_name}:{frame.start_line}"
+
+
+def eqn_user_frames(eqn: Any) -> list[tuple[str, int]]:
+    """``[(file, line)]`` of the non-JAX frames that traced ``eqn``, innermost first."""
+    tb = eqn.source_info.traceback
+    if tb is None:
+        return []
+    return [(f.file_name, f.start_line) for f in _siu.user_frames(tb)]
 
 
 def bind_eqn(eqn: Any, invals: Sequence[Any], name_stack: Any) -> list[Any]:
