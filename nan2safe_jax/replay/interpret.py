@@ -8,9 +8,11 @@ One walk runs in one of three modes (``Ctx.mode``):
   reduced right where the value is produced (one integer max-reduction that XLA fuses into the
   producer). A walk returns two bools per equation ("non-finite output from finite inputs",
   "NaN output from NaN-free inputs"): O(#equations) outputs over the step's own live set, never
-  an array proportional to the sum of the intermediates. A higher-order equation (loop, branch,
-  map) is flagged from its operands and results like a primitive; its body is instrumented only
-  when the search enters it, by its rule (``rules.py``).
+  an array proportional to the sum of the intermediates. Loops (``scan``, ``while``) are
+  instrumented in place by their rule (``rules.py``), which also returns the first flagged step
+  (a NaN made in a while condition only steers the loop: no result shows it). Other higher-order
+  equations (branches, maps) are flagged from their operands and results like a primitive; their
+  body is instrumented only when the search enters it.
 * ``"capture"``: the walk stops once the target equations have run and returns their inputs and
   outputs.
 
@@ -81,7 +83,9 @@ class Ctx:
 
     In ``"flags"`` mode each traced float value is registered once in ``vals`` (codes computed by
     ``codes()``); outputs of value-preserving equations reuse their inputs' references instead.
-    ``recs`` holds per flat equation ``("eqn", in_ref, out_ref)``.
+    ``recs`` holds per flat equation ``("eqn", in_ref, out_ref)``, or ``("given", bool[3])`` for a
+    loop instrumented in place (its rule computed its flags; its first flagged steps are in
+    ``steps``).
     """
 
     def __init__(self, mode: str, targets: dict[int, Any] | None = None):
@@ -91,6 +95,7 @@ class Ctx:
         self.count = 0
         self.vals: list[Any] = []
         self.recs: list[tuple] = []
+        self.steps: dict[int, Any] = {}  # flat index of an eagerly instrumented loop -> int32[3]
         self._memo: dict[int, tuple[Any, Ref]] = {}
         self._codes: Any = None
         self._flags: tuple[Any, Any] | None = None
@@ -185,6 +190,13 @@ class Ctx:
         root = (cout > 0) & (cin == 0) & live
         nan = (cout == 2) & (cin < 2) & live
         literal = (cout > 0) & (traced_in == 0) & jnp.asarray((in_static > 0) & live)
+        given = [(k, rec[1]) for k, rec in enumerate(self.recs) if rec[0] == "given"]
+        if given:
+            ks = np.asarray([k for k, _ in given])
+            hit = jnp.stack([h for _, h in given])  # [n_given, 3]
+            root = root.at[ks].set(hit[:, 0])
+            nan = nan.at[ks].set(hit[:, 1])
+            literal = literal.at[ks].set(hit[:, 2])
         self._flags = (root, nan, literal)
         return self._flags
 
@@ -250,7 +262,11 @@ def walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: Ctx, ns: A
         else:
             k = ctx.count
             ctx.count += 1
-            if ctx.mode == "flags":
+            if ctx.mode == "flags" and rule is not None and rule.eager:
+                outs, steps = rule.flags(eqn, invals, ens)
+                ctx.steps[k] = steps
+                ctx.recs.append(("given", steps >= 0))
+            elif ctx.mode == "flags":
                 outs = _flags_eqn(eqn, invals, ens, ctx)
             else:
                 outs = jc.bind_eqn(eqn, invals, ens)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nan2safe_jax.replay import _jax_compat as jc
-from nan2safe_jax.replay import interpret
+from nan2safe_jax.replay import interpret, rules
 from nan2safe_jax.replay.report import (
     NOT_REPRODUCIBLE,
     EqnRef,
@@ -67,10 +67,10 @@ _OWN_DIRS = tuple(
 )
 
 
-def user_source(eqn: Any) -> str | None:
-    """``"file.py:LINE"`` of the innermost frame outside JAX, Flax and nan2safe_jax that traced
-    ``eqn``: for an equation of a ``nan2safe.nn`` site, the model code that called the site."""
-    for file, line in jc.eqn_user_frames(eqn):
+def user_source(frames: Sequence[tuple[str, int]]) -> str | None:
+    """``"file.py:LINE"`` of the innermost frame outside JAX, Flax and nan2safe_jax: for an
+    equation of a ``nan2safe.nn`` site, the model code that called the site."""
+    for file, line in frames:
         if not file.startswith(_OWN_DIRS):
             return f"{file}:{line}"
     return None
@@ -85,7 +85,7 @@ def _ref(found: Found) -> EqnRef:
         site=site_from_name_stack(ns),
         direction=direction_of(ns),
         eqn_path=found.path,
-        user_source=user_source(found.item.eqn),
+        user_source=user_source(found.item.frames),
     )
 
 
@@ -224,6 +224,7 @@ def _locate(
     literal = [jc.is_literal(a) for a in found.item.eqn.invars]
     in_stats = [array_stats(v, lit) for v, lit in zip(found.invals, literal, strict=True)]
     out = found.outvals[oi] if oi is not None else found.outvals[0]
+    mode = found.mode
     kind = kind or ("nan" if mode == "nan" else "inf")
     chans, cut = channel_scan(out, nan_only=mode == "nan")
     diagnosis, why = diagnose(ref.primitive, found.invals, out, kind, in_stats)
@@ -241,7 +242,8 @@ def _locate(
             "literal element(s) among its operands); no equation made it from finite values, so "
             "it is deterministic, not hardware"
         )
-    elif jc.has_sub_jaxpr(found.item.eqn):  # an opaque higher-order primitive was blamed
+    elif jc.has_sub_jaxpr(found.item.eqn) and ref.primitive not in rules.COMBINER:
+        # an opaque higher-order primitive was blamed
         diagnosis = "other"
         why = f"could not enter {ref.primitive}: the fault is inside it ({why})"
     return Report(

@@ -33,7 +33,7 @@ from jax import lax
 from nan2safe_jax.replay import _jax_compat as jc
 from nan2safe_jax.replay import interpret as it
 
-__all__ = ["OPAQUE", "RULES", "Rule", "rule_for"]
+__all__ = ["COMBINER", "OPAQUE", "RULES", "Rule", "rule_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +47,11 @@ class Rule:
         first step flagged root, nan and literal (``interpret.MODES``), -1 for none.
       capture: step rules: ``(eqn, invals, name_stack, traced_step) -> captured values``.
       enter: step rules: ``(eqn, step, captured) -> (path_element, Jaxpr, consts, args)``.
+      pick: step rules whose step is known from the operands alone (``cond``: the branch index):
+        ``(eqn, invals) -> step``; the search then needs neither ``flags`` nor ``capture``.
+      eager: instrument the body inside the level's own flags replay (loops: a non-finite value
+        made in a while condition reaches no result, so only in-place flags can see it; a loop
+        body is one compiled body, unlike the three branches of a gear switch).
     """
 
     kind: str
@@ -54,6 +59,8 @@ class Rule:
     flags: Callable[..., Any] | None = None
     capture: Callable[..., Any] | None = None
     enter: Callable[..., Any] | None = None
+    pick: Callable[..., Any] | None = None
+    eager: bool = False
 
 
 def _coerce(x: Any, var: Any) -> Any:
@@ -131,7 +138,7 @@ def _scan_enter(eqn: Any, step: int, captured: list) -> tuple:
     return ("iter", step), sp["jaxpr"], list(sp["consts"]), list(captured)
 
 
-SCAN = Rule("step", flags=_scan_flags, capture=_scan_capture, enter=_scan_enter)
+SCAN = Rule("step", flags=_scan_flags, capture=_scan_capture, enter=_scan_enter, eager=True)
 
 
 # ---------------------------------------------------------------------------------- while
@@ -192,7 +199,7 @@ def _while_enter(eqn: Any, step: int, captured: list) -> tuple:
     return ("iter", step // 2), wp["body_jaxpr"], list(wp["body_consts"]), [*bc, *carry]
 
 
-WHILE = Rule("step", flags=_while_flags, capture=_while_capture, enter=_while_enter)
+WHILE = Rule("step", flags=_while_flags, capture=_while_capture, enter=_while_enter, eager=True)
 
 
 # ---------------------------------------------------------------------------------- cond
@@ -222,7 +229,11 @@ def _cond_enter(eqn: Any, step: int, captured: list) -> tuple:
     return ("branch", step), j, list(consts), list(captured)
 
 
-COND = Rule("step", flags=_cond_flags, capture=_cond_capture, enter=_cond_enter)
+def _cond_pick(eqn: Any, invals: list) -> int:
+    return int(np.asarray(invals[0]))
+
+
+COND = Rule("step", flags=_cond_flags, capture=_cond_capture, enter=_cond_enter, pick=_cond_pick)
 
 
 # ---------------------------------------------------------------------------------- table
@@ -237,6 +248,15 @@ RULES: dict[str, Rule] = {
 # Higher-order primitives deliberately evaluated as one equation (their bodies are not jaxprs of
 # the step's values: kernels, transposition rules, state programs).
 OPAQUE = frozenset({"pallas_call", "custom_transpose_call", "linear_call", "run_state"})
+
+
+# First-order primitives whose parameters hold a small combiner jaxpr (how two scalars combine),
+# not a program over the step's values: evaluated and blamed like any primitive.
+COMBINER = frozenset(
+    {"scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min"}
+    | {"scatter_min", "scatter-max", "scatter_max", "reduce", "reduce_window"}
+    | {"select_and_scatter", "select_and_scatter_add", "select_and_gather_add", "argsort"}
+)
 
 
 def rule_for(eqn: Any) -> Rule | None:

@@ -42,21 +42,31 @@ class Item:
     eqn: Any
     path: tuple  # equation indices from the level's jaxpr down through inlined calls
     name_stack: Any  # full NameStack
-    source: str | None
+    frames: tuple  # ((file, line), ...) non-JAX frames that traced it, innermost first, then
+    # those of the equations that called its jaxpr (an inner jit's equations carry none)
     rule: rules.Rule | None  # a step rule, or None for a first-order / opaque equation
 
+    @property
+    def source(self) -> str | None:
+        """``"file.py:LINE"`` of the innermost non-JAX frame."""
+        return f"{self.frames[0][0]}:{self.frames[0][1]}" if self.frames else None
 
-def flatten(jaxpr: Any, ns: Any, path: tuple = (), source: str | None = None) -> list[Item]:
-    """The flat equations of ``jaxpr`` (call-like equations inlined), in walk order."""
+
+def flatten(jaxpr: Any, ns: Any, path: tuple = (), frames: tuple = ()) -> list[Item]:
+    """The flat equations of ``jaxpr`` (call-like equations inlined), in walk order.
+
+    ``frames``: the frames of the equation whose body ``jaxpr`` is (inherited by its equations).
+    """
     items: list[Item] = []
     for i, eqn in enumerate(jaxpr.eqns):
         ens = jc.eqn_name_stack(eqn, ns)
-        src = jc.eqn_user_source(eqn) or source
+        own = tuple(jc.eqn_user_frames(eqn))
+        fr = own + frames if own else frames
         rule = rules.rule_for(eqn)
         if rule is not None and rule.kind == "call":
-            items.extend(flatten(rule.body(eqn)[0], ens, (*path, i), src))
+            items.extend(flatten(rule.body(eqn)[0], ens, (*path, i), fr))
         else:
-            items.append(Item(eqn, (*path, i), ens, src, rule))
+            items.append(Item(eqn, (*path, i), ens, fr, rule))
     return items
 
 
@@ -67,6 +77,7 @@ class Flags:
     root: np.ndarray  # bool[n_flat]
     nan: np.ndarray  # bool[n_flat]
     literal: np.ndarray  # bool[n_flat]
+    steps: dict[int, list[int]]  # flat index of an eagerly instrumented loop -> first steps [3]
     in_codes: np.ndarray | None  # int8[n_args] codes of the arguments (top level only)
     out_codes: np.ndarray | None  # int8[n_outs] codes of the outputs (top level only)
 
@@ -77,6 +88,7 @@ class Found:
     path: tuple
     invals: list
     outvals: list
+    mode: str = "root"  # the flag that found it (``interpret.MODES``)
     constant: bool = False  # a higher-order equation whose body made nothing non-finite
 
 
@@ -126,6 +138,7 @@ class Session:
             arg_refs = [ctx.ref(a) for a in args] if top else []
             outs = interpret.walk(jaxpr, consts, args, ctx, ns)
             root, nan, literal = ctx.finalize()
+            steps = {k: jnp.asarray(v, jnp.int32) for k, v in ctx.steps.items()}
             codes = None
             if top:
 
@@ -135,15 +148,16 @@ class Session:
                     return jnp.stack([ctx.code_of(r) for r in refs])
 
                 codes = (stack(arg_refs), stack([ctx.ref(o) for o in outs]))
-            return root, nan, literal, codes
+            return root, nan, literal, steps, codes
 
-        root, nan, literal, codes = self.call(
+        root, nan, literal, steps, codes = self.call(
             ("flags", _structure(level), top), fn, list(consts), list(args)
         )
         out = Flags(
             np.asarray(root),
             np.asarray(nan),
             np.asarray(literal),
+            {k: [int(x) for x in np.asarray(v)] for k, v in steps.items()},
             None if codes is None else np.asarray(codes[0]),
             None if codes is None else np.asarray(codes[1]),
         )
@@ -203,6 +217,7 @@ def search(
     base: tuple,
     mode: str,
     top: bool = False,
+    frames: tuple = (),
 ) -> Found | None:
     """First flagged equation (``mode`` one of ``interpret.MODES``) of a level, entering step
     equations (loops, branches, shards) through their rules.
@@ -210,7 +225,7 @@ def search(
     Returns:
       The culprit with its captured inputs and outputs, or None when nothing is flagged.
     """
-    items = flatten(jaxpr, ns)
+    items = flatten(jaxpr, ns, (), frames)
     fl = sess.flags(level, jaxpr, consts, args, ns, top)
     vec = {"root": fl.root, "nan": fl.nan, "literal": fl.literal}[mode]
     for k in np.nonzero(vec)[0][:3]:  # the first; the next ones only if replays disagree
@@ -219,18 +234,38 @@ def search(
         path = (*base, *item.path)
         invals, outvals = sess.capture(level, jaxpr, consts, args, ns, [k])[k]
         if item.rule is None:
-            return Found(item, path, list(invals), list(outvals))
-        steps = sess.step_flags(level, k, item, list(invals))
-        sub_mode, step = mode, steps[interpret.MODES.index(mode)]
-        if step < 0:  # no equation of the body made it from finite values: a literal carried it in
-            sub_mode, step = "literal", steps[2]
+            return Found(item, path, list(invals), list(outvals), mode)
+        if item.rule.pick is not None:  # the step is known from the operands (a branch index)
+            step = item.rule.pick(item.eqn, list(invals))
+            captured = item.rule.capture(item.eqn, list(invals), item.name_stack, step)
+            elem, sub, sub_consts, sub_args = item.rule.enter(item.eqn, step, captured)
+            for sub_mode in interpret.MODES[interpret.MODES.index(mode) :]:
+                found = search(
+                    sess, (level, k, elem), sub, sub_consts, sub_args, item.name_stack,
+                    (*path, elem), sub_mode, frames=item.frames,
+                )  # fmt: skip
+                if found is not None:
+                    return found
+            return Found(item, path, list(invals), list(outvals), mode, constant=True)
+        if k in fl.steps:
+            steps = fl.steps[k]
+        else:
+            steps = sess.step_flags(level, k, item, list(invals))
+        # The equation is flagged in ``mode``; its body may hold the culprit under a later mode
+        # only: a root equation whose body makes NaN from a -inf mask literal (nan), or whose
+        # body only combines finite values with a non-finite literal (literal).
+        sub_mode, step = mode, -1
+        for sub_mode in interpret.MODES[interpret.MODES.index(mode) :]:
+            step = steps[interpret.MODES.index(sub_mode)]
+            if step >= 0:
+                break
         if step < 0:  # not even a literal: an output of the body is a non-finite literal
-            return Found(item, path, list(invals), list(outvals), constant=True)
+            return Found(item, path, list(invals), list(outvals), mode, constant=True)
         captured = sess.step_capture(level, k, item, list(invals), step)
         elem, sub, sub_consts, sub_args = item.rule.enter(item.eqn, step, captured)
         found = search(
             sess, (level, k, elem), sub, sub_consts, sub_args, item.name_stack,
-            (*path, elem), sub_mode,
+            (*path, elem), sub_mode, frames=item.frames,
         )  # fmt: skip
         if found is not None:
             return found
