@@ -264,6 +264,8 @@ def _locate(
         seconds=time.perf_counter() - t0,
         output_shape=tuple(np.shape(out)),
         user_source=ref.user_source,
+        shard=None if found.shard is None else found.shard.index,
+        device=None if found.shard is None else found.shard.device(),
     )
 
 

@@ -119,6 +119,7 @@ class Report:
     user_source: str | None = None
     reason: str | None = None
     shard: int | None = None
+    device: str | None = None
 
     @classmethod
     def no_equation(cls, **fields: Any) -> Report:
@@ -162,6 +163,8 @@ class Report:
                 lines.append(f"  called from: {self.user_source}")
             lines.append(f"  name stack: {self.name_stack or '-'}   site: {self.site or '-'}")
             lines.append(f"  eqn path: {_path_str(self.eqn_path)}")
+            if self.shard is not None:
+                lines.append(f"  shard: {self.shard} (device {self.device or '-'})")
             for i, s in enumerate(self.inputs):
                 lines.append(f"  input {i}: {_stats_str(s)}")
             if self.output_shape is not None:

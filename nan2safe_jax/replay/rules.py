@@ -26,14 +26,16 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from nan2safe_jax.replay import _jax_compat as jc
 from nan2safe_jax.replay import interpret as it
 
-__all__ = ["COMBINER", "OPAQUE", "RULES", "Rule", "rule_for"]
+__all__ = ["COMBINER", "OPAQUE", "RULES", "Rule", "ShardCtx", "rule_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,8 @@ class Rule:
       eager: instrument the body inside the level's own flags replay (loops: a non-finite value
         made in a while condition reaches no result, so only in-place flags can see it; a loop
         body is one compiled body, unlike the three branches of a gear switch).
+      context: ``(eqn, step) -> ShardCtx``: the sub-level's replays must run inside this
+        construct (a ``shard_map`` body holds collectives).
     """
 
     kind: str
@@ -61,6 +65,7 @@ class Rule:
     enter: Callable[..., Any] | None = None
     pick: Callable[..., Any] | None = None
     eager: bool = False
+    context: Callable[..., Any] | None = None
 
 
 def _coerce(x: Any, var: Any) -> Any:
@@ -236,6 +241,110 @@ def _cond_pick(eqn: Any, invals: list) -> int:
 COND = Rule("step", flags=_cond_flags, capture=_cond_capture, enter=_cond_enter, pick=_cond_pick)
 
 
+# ---------------------------------------------------------------------------------- shard_map
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardCtx:
+    """A level inside a ``shard_map`` body: its replays run under the same ``shard_map`` (so
+    collectives work) on *stacked* per-shard values (leading axis: the shard's linear index over
+    the manual mesh axes), and keep the results of shard ``index`` only."""
+
+    mesh: Any
+    axes: tuple
+    check_vma: bool
+    index: int
+
+    @property
+    def size(self) -> int:
+        return int(np.prod([self.mesh.shape[a] for a in self.axes]))
+
+    def device(self) -> str | None:
+        """The device of shard ``index`` when every mesh axis is manual."""
+        if set(self.axes) != set(self.mesh.axis_names):
+            return None
+        return str(np.asarray(self.mesh.devices).reshape(-1)[self.index])
+
+    def wrap(self, fn: Any, stacked: tuple[bool, ...]) -> Any:
+        """``fn(*args)`` on one shard's values -> the same on every shard under the
+        ``shard_map``, results stacked; ``stacked[i]``: argument ``i`` is stacked (else it is
+        passed to every shard as is)."""
+        spec = _shard_spec(self.axes)
+
+        def per_shard(*args):
+            local = [
+                jax.tree.map(lambda b: b[0], a) if st else a
+                for a, st in zip(args, stacked, strict=True)
+            ]
+            out = fn(*local)
+            return jax.tree.map(lambda o: jnp.expand_dims(jnp.asarray(o), 0), out)
+
+        def run(*args):
+            specs = tuple(spec if st else P() for st in stacked)
+            return jc.shard_map(per_shard, self.mesh, specs, spec, self.axes, self.check_vma)(*args)
+
+        return run
+
+
+def _shard_spec(axes: tuple) -> Any:
+    return P(axes if len(axes) > 1 else axes[0])
+
+
+def _shard_flags(eqn: Any, invals: list, ns: Any) -> tuple[list, Any]:
+    """Runs the ``shard_map`` with its body instrumented. Shards run side by side, so the step is
+    the shard whose first flagged equation comes first in the body (lowest shard on a tie): a
+    NaN made by ``log`` on shard 2 reaches every shard through a ``psum`` after it, and every
+    shard's ``psum`` then looks like a root."""
+    p = jc.shard_map_params(eqn)
+    big = jnp.iinfo(jnp.int32).max
+
+    def body(*args):
+        sub = it.Ctx("flags")
+        outs = it.walk(p["jaxpr"], p["consts"], list(args), sub, ns)
+        flags = sub.finalize()
+        first = [jnp.where(f.any(), jnp.argmax(f), big).astype(jnp.int32) for f in flags]
+        return (*outs, jnp.expand_dims(jnp.stack(first), 0))
+
+    out_specs = (*p["out_specs"], _shard_spec(p["axes"]))
+    outs = jc.shard_map(body, p["mesh"], p["in_specs"], out_specs, p["axes"], p["check_vma"])(
+        *invals
+    )
+    first = outs[-1]  # int32[n_shards, 3]: first flagged equation per shard and flag
+    shard = jnp.argmin(first, axis=0).astype(jnp.int32)
+    return list(outs[:-1]), jnp.where(first.min(0) < big, shard, -1)
+
+
+def _shard_capture(eqn: Any, invals: list, ns: Any, step: Any) -> list:
+    """Every shard's body inputs, stacked (leading axis: shard index)."""
+    p = jc.shard_map_params(eqn)
+
+    def body(*args):
+        return [jnp.expand_dims(a, 0) for a in args]
+
+    spec = _shard_spec(p["axes"])
+    fn = jc.shard_map(body, p["mesh"], p["in_specs"], [spec] * len(invals), p["axes"], False)
+    return list(fn(*invals))
+
+
+def _shard_enter(eqn: Any, step: int, captured: list) -> tuple:
+    p = jc.shard_map_params(eqn)
+    return ("shard", step), p["jaxpr"], list(p["consts"]), list(captured)
+
+
+def _shard_context(eqn: Any, step: int) -> ShardCtx:
+    p = jc.shard_map_params(eqn)
+    return ShardCtx(p["mesh"], p["axes"], p["check_vma"], step)
+
+
+SHARD_MAP = Rule(
+    "step",
+    flags=_shard_flags,
+    capture=_shard_capture,
+    enter=_shard_enter,
+    context=_shard_context,
+)
+
+
 # ---------------------------------------------------------------------------------- table
 
 RULES: dict[str, Rule] = {
@@ -243,6 +352,7 @@ RULES: dict[str, Rule] = {
     "scan": SCAN,
     "while": WHILE,
     "cond": COND,
+    "shard_map": SHARD_MAP,
 }
 
 # Higher-order primitives deliberately evaluated as one equation (their bodies are not jaxprs of

@@ -90,6 +90,7 @@ class Found:
     outvals: list
     mode: str = "root"  # the flag that found it (``interpret.MODES``)
     constant: bool = False  # a higher-order equation whose body made nothing non-finite
+    shard: Any = None  # rules.ShardCtx when found inside a shard_map body
 
 
 def _structure(level: Any) -> Any:
@@ -98,6 +99,14 @@ def _structure(level: Any) -> Any:
         return level
     parent, k, elem = level
     return (_structure(parent), k, elem[0] if elem[0] in ("iter", "cond", "shard") else elem)
+
+
+def _pick(tree: Any, shard: Any) -> Any:
+    """Shard ``shard.index``'s part of a replay's stacked results (the results themselves outside
+    a ``shard_map`` body)."""
+    if shard is None:
+        return tree
+    return jax.tree.map(lambda x: np.asarray(x)[shard.index], tree)
 
 
 class Session:
@@ -116,18 +125,28 @@ class Session:
         self._flags: dict[Any, Flags] = {}
         self._captured: dict[Any, Any] = {}
 
-    def call(self, key: Any, fn: Any, *args: Any) -> Any:
-        """Runs the replay ``fn`` (compiled once per ``key`` and argument shapes)."""
+    def call(self, key: Any, fn: Any, *args: Any, shard: Any = None, stacked: tuple = ()) -> Any:
+        """Runs the replay ``fn`` (compiled once per ``key`` and argument shapes); inside a
+        ``shard_map`` body (``shard``), on every shard, with results stacked."""
         jitted = self._jits.get(key)
         if jitted is None:
-            jitted = self._jits[key] = cache.jit(fn)
+            jitted = self._jits[key] = cache.jit(shard.wrap(fn, stacked) if shard else fn)
             self.compiles += 1
         self.replays += 1
         if self.stats is not None:
             self.stats.append({"key": key, **cache.compiled_stats(jitted, *args)})
         return jax.device_get(jitted(*args))
 
-    def flags(self, level: Any, jaxpr: Any, consts: list, args: list, ns: Any, top: bool) -> Flags:
+    def flags(
+        self,
+        level: Any,
+        jaxpr: Any,
+        consts: list,
+        args: list,
+        ns: Any,
+        top: bool,
+        shard: Any = None,
+    ) -> Flags:
         """The flags replay of a level (memoized)."""
         cached = self._flags.get(level)
         if cached is not None:
@@ -150,9 +169,11 @@ class Session:
                 codes = (stack(arg_refs), stack([ctx.ref(o) for o in outs]))
             return root, nan, literal, steps, codes
 
-        root, nan, literal, steps, codes = self.call(
-            ("flags", _structure(level), top), fn, list(consts), list(args)
-        )
+        res = self.call(
+            ("flags", _structure(level), top), fn, list(consts), list(args),
+            shard=shard, stacked=(False, True),
+        )  # fmt: skip
+        root, nan, literal, steps, codes = _pick(res, shard)
         out = Flags(
             np.asarray(root),
             np.asarray(nan),
@@ -165,9 +186,17 @@ class Session:
         return out
 
     def capture(
-        self, level: Any, jaxpr: Any, consts: list, args: list, ns: Any, ks: Sequence[int]
+        self,
+        level: Any,
+        jaxpr: Any,
+        consts: list,
+        args: list,
+        ns: Any,
+        ks: Sequence[int],
+        shard: Any = None,
     ) -> dict[int, tuple[list, list]]:
-        """``{k: (inputs, outputs)}`` of flat equations ``ks`` of a level, in one replay."""
+        """``{k: (inputs, outputs)}`` of flat equations ``ks`` of a level, in one replay
+        (inside a ``shard_map`` body: every shard's, stacked)."""
         missing = sorted(k for k in set(ks) if (level, k) not in self._captured)
         if missing:
 
@@ -182,29 +211,35 @@ class Session:
                 )  # pragma: no cover
 
             key = ("capture", _structure(level), tuple(missing))
-            out = self.call(key, fn, list(consts), list(args))
+            out = self.call(key, fn, list(consts), list(args), shard=shard, stacked=(False, True))
             for k, payload in zip(missing, out, strict=True):
                 self._captured[(level, k)] = payload
         return {k: self._captured[(level, k)] for k in ks}
 
-    def step_flags(self, level: Any, k: int, item: Item, invals: list) -> list[int]:
+    def step_flags(
+        self, level: Any, k: int, item: Item, invals: list, shard: Any = None
+    ) -> list[int]:
         """First step flagged root, nan and literal (``interpret.MODES``; -1: none) of
         higher-order equation ``k`` run alone on ``invals``, its body instrumented by its rule."""
 
         def fn(invals):
             return item.rule.flags(item.eqn, invals, item.name_stack)[1]
 
-        steps = self.call(("step_flags", _structure(level), k), fn, list(invals))
+        key = ("step_flags", _structure(level), k)
+        steps = _pick(self.call(key, fn, list(invals), shard=shard, stacked=(True,)), shard)
         return [int(s) for s in np.asarray(steps)]
 
-    def step_capture(self, level: Any, k: int, item: Item, invals: list, step: int) -> list:
+    def step_capture(
+        self, level: Any, k: int, item: Item, invals: list, step: int, shard: Any = None
+    ) -> list:
         """The body inputs of step ``step`` of higher-order equation ``k`` (see ``rules``)."""
 
         def fn(invals, step):
             return item.rule.capture(item.eqn, invals, item.name_stack, step)
 
         key = ("step_capture", _structure(level), k)
-        return list(self.call(key, fn, list(invals), np.int32(step)))
+        out = self.call(key, fn, list(invals), np.int32(step), shard=shard, stacked=(True, False))
+        return list(out)
 
 
 def search(
@@ -218,55 +253,58 @@ def search(
     mode: str,
     top: bool = False,
     frames: tuple = (),
+    shard: Any = None,
 ) -> Found | None:
     """First flagged equation (``mode`` one of ``interpret.MODES``) of a level, entering step
     equations (loops, branches, shards) through their rules.
+
+    ``shard``: the level is (inside) a ``shard_map`` body (``rules.ShardCtx``): its values are
+    stacked over shards and the search follows shard ``shard.index``.
 
     Returns:
       The culprit with its captured inputs and outputs, or None when nothing is flagged.
     """
     items = flatten(jaxpr, ns, (), frames)
-    fl = sess.flags(level, jaxpr, consts, args, ns, top)
+    fl = sess.flags(level, jaxpr, consts, args, ns, top, shard)
     vec = {"root": fl.root, "nan": fl.nan, "literal": fl.literal}[mode]
     for k in np.nonzero(vec)[0][:3]:  # the first; the next ones only if replays disagree
         k = int(k)
         item = items[k]
         path = (*base, *item.path)
-        invals, outvals = sess.capture(level, jaxpr, consts, args, ns, [k])[k]
+        invals, outvals = sess.capture(level, jaxpr, consts, args, ns, [k], shard)[k]
+        mine = _pick((list(invals), list(outvals)), shard)
         if item.rule is None:
-            return Found(item, path, list(invals), list(outvals), mode)
+            return Found(item, path, *mine, mode, shard=shard)
+        sub_shard = shard
         if item.rule.pick is not None:  # the step is known from the operands (a branch index)
-            step = item.rule.pick(item.eqn, list(invals))
+            step = item.rule.pick(item.eqn, mine[0])
             captured = item.rule.capture(item.eqn, list(invals), item.name_stack, step)
-            elem, sub, sub_consts, sub_args = item.rule.enter(item.eqn, step, captured)
-            for sub_mode in interpret.MODES[interpret.MODES.index(mode) :]:
-                found = search(
-                    sess, (level, k, elem), sub, sub_consts, sub_args, item.name_stack,
-                    (*path, elem), sub_mode, frames=item.frames,
-                )  # fmt: skip
-                if found is not None:
-                    return found
-            return Found(item, path, list(invals), list(outvals), mode, constant=True)
-        if k in fl.steps:
-            steps = fl.steps[k]
+            sub_modes = interpret.MODES[interpret.MODES.index(mode) :]
         else:
-            steps = sess.step_flags(level, k, item, list(invals))
-        # The equation is flagged in ``mode``; its body may hold the culprit under a later mode
-        # only: a root equation whose body makes NaN from a -inf mask literal (nan), or whose
-        # body only combines finite values with a non-finite literal (literal).
-        sub_mode, step = mode, -1
-        for sub_mode in interpret.MODES[interpret.MODES.index(mode) :]:
-            step = steps[interpret.MODES.index(sub_mode)]
-            if step >= 0:
-                break
-        if step < 0:  # not even a literal: an output of the body is a non-finite literal
-            return Found(item, path, list(invals), list(outvals), mode, constant=True)
-        captured = sess.step_capture(level, k, item, list(invals), step)
-        elem, sub, sub_consts, sub_args = item.rule.enter(item.eqn, step, captured)
-        found = search(
-            sess, (level, k, elem), sub, sub_consts, sub_args, item.name_stack,
-            (*path, elem), sub_mode, frames=item.frames,
-        )  # fmt: skip
-        if found is not None:
-            return found
+            steps = fl.steps[k] if k in fl.steps else sess.step_flags(level, k, item, invals, shard)
+            # The equation is flagged in ``mode``; its body may hold the culprit under a later
+            # mode only: a root equation whose body makes NaN from a -inf mask literal (nan), or
+            # whose body only combines finite values with a non-finite literal (literal).
+            step, sub_modes = -1, ()
+            for m in interpret.MODES[interpret.MODES.index(mode) :]:
+                if steps[interpret.MODES.index(m)] >= 0:
+                    step, sub_modes = steps[interpret.MODES.index(m)], (m,)
+                    break
+            if step < 0:  # not even a literal: an output of the body is a non-finite literal
+                return Found(item, path, *mine, mode, constant=True, shard=shard)
+            if item.rule.context is not None:
+                if shard is not None:  # pragma: no cover - nested shard_map bodies
+                    return Found(item, path, *mine, mode, shard=shard)
+                sub_shard = item.rule.context(item.eqn, step)
+            captured = sess.step_capture(level, k, item, invals, step, shard)
+        elem, sub, sub_consts, sub_args = item.rule.enter(item.eqn, step, list(captured))
+        for sub_mode in sub_modes:
+            found = search(
+                sess, (level, k, elem), sub, sub_consts, sub_args, item.name_stack,
+                (*path, elem), sub_mode, frames=item.frames, shard=sub_shard,
+            )  # fmt: skip
+            if found is not None:
+                return found
+        if item.rule.pick is not None:
+            return Found(item, path, *mine, mode, constant=True, shard=shard)
     return None
