@@ -1,8 +1,25 @@
-"""Localization benchmark: ``nan2safe.replay.locate`` vs ``jax_debug_nans`` on a train step.
+"""Localization benchmark: ``nan2safe.replay.locate_step`` vs ``jax_debug_nans`` on train steps.
 
-A 4-layer pre-LN transformer written in plain JAX, trained with one full step (forward, ``jax.grad``
-and an SGD update), in three forms: layers unrolled, ``lax.scan`` over stacked layers, and each
-layer under ``jax.checkpoint``. Three faults, each injected in layer 2:
+Two suites.
+
+``--suite ladder`` (default; writes ``docs/locate.json``, ``--markdown`` prints the README table):
+a scale ladder of ``examples/transformer.py``'s model, built from ``nan2safe.nn`` sites and
+trained by ``nan2safe.make_train_step`` (the Trainer's real step): ``tiny``, ``demo`` (2 layers,
+d_model 128, seq 64, batch 8), ``4x256`` (4 layers, d_model 256, seq 128, batch 8) and ``gpt2s``
+(12 layers, d_model 768, 12 heads, seq 256, batch 2), each unrolled and with ``scan_layers``; two
+faults: ``masked_row`` (a left-padded row under a key-padding + causal mask: a fully masked
+attention row, f32) and ``fp16_logits`` (one layer's q·k scale at 3000 in fp16: the logits
+overflow). Per rung, each arm in its own fresh process with its peak RSS (an arm whose RSS passes
+``RSS_LIMIT_GB`` is aborted): ``plain`` (the step's first call: compile + run), ``locate``
+(``locate_step`` after the step has run once, as in the Trainer: cold, then warm = a second
+incident on a fresh trace), ``nans`` (``jax_debug_nans`` on, first call of the step: compile,
+run, op-by-op re-run). Right = the primitive is the expected one, the site is the attention and
+the user line is ``Block.__call__``'s attention call.
+
+``--suite faults`` (the earlier suite): a 4-layer pre-LN transformer written in plain JAX, trained
+with one full step (forward, ``jax.grad`` and an SGD update), in three forms: layers unrolled,
+``lax.scan`` over stacked layers, and each layer under ``jax.checkpoint``. Three faults, each
+injected in layer 2:
 
   * ``logits_fp16``: fp16 attention logits overflow (q and k projections scaled up): the
     ``dot_general`` makes inf, the softmax then NaN from ``inf - inf``; a ``-inf`` causal mask is
@@ -17,7 +34,8 @@ with the flag on: compile, run, de-optimized re-run) and warm, with what each na
 a second incident on the same step, traced afresh (as the trainer does) and located again. Also
 whether ``jax_debug_nans`` notices anything when switched on only after the step was compiled.
 
-Usage: ``python benchmarks/locate.py [--json PATH] [--quick]``
+Usage: ``python benchmarks/locate.py [--rungs demo,4x256] [--layouts unrolled,scan]
+[--faults masked_row,fp16_logits] [--json PATH]``, ``--suite faults [--quick]``, ``--markdown``.
 """
 
 from __future__ import annotations
@@ -452,9 +470,36 @@ def print_ladder(records: list[dict]) -> None:
     print(
         "step: the production step's first call (compile + run); locate: replay.locate_step after "
         "it (cold: every replay compiled), warm: a second incident; dbg_nans: jax_debug_nans on, "
-        "first call of the step (compile + run + op-by-op re-run); RSS: peak of each fresh process; "
-        "xRSS: locate peak / plain step peak"
+        "first call of the step (compile + run + op-by-op re-run); RSS: peak of each fresh "
+        "process; xRSS: locate peak / plain step peak"
     )
+
+
+def markdown_ladder(records: list[dict]) -> str:
+    """The README table, from ``docs/locate.json``'s ladder records."""
+    rows = [
+        "| model | layout | fault | plain step (compile + run) | step peak RSS | locate cold | "
+        "warm | locate peak RSS | × step | replays | names (user line) | `jax_debug_nans` cold "
+        "| its RSS | it names |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        lo, na, pl = r["locate"], r["nans"], r["plain"]
+        if lo.get("error") or na.get("error") or pl.get("error"):
+            err = (lo.get("error") or na.get("error") or pl.get("error"))[-80:]
+            rows.append(f"| {r['rung']} | {r['layout']} | {r['fault']} | error: {err} |")
+            continue
+        ok = "✔" if r["locate_correct"] else "✘"
+        nok = "✔" if r["nans_correct"] else "✘"
+        model = f"{r['num_layers']}L d{r['d_model']} T{r['seq_len']} B{r['batch']}"
+        rows.append(
+            f"| {model} | {r['layout']} | {r['fault']} | {pl['step_s']:.1f} s | "
+            f"{pl['step_rss_gb']:.2f} GB | {lo['cold_s']:.1f} s | {lo['warm_s']:.2f} s | "
+            f"{lo['rss_gb']:.2f} GB | {r['rss_ratio']:.2f} | {lo['replays']} | "
+            f"`{lo['primitive']}` ({lo['user_source']}) {ok} | {na['cold_s']:.1f} s | "
+            f"{na['rss_gb']:.2f} GB | `{na['primitive']}` {nok} |"
+        )
+    return "\n".join(rows)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -479,8 +524,16 @@ def main() -> None:
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--faults", default=",".join(LADDER_FAULTS))
     ap.add_argument("--quick", action="store_true", help="faults suite: unrolled variant only")
+    ap.add_argument(
+        "--markdown", action="store_true", help="print the README table of an existing JSON"
+    )
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.markdown:
+        path = a.json or os.path.join(os.path.dirname(os.path.dirname(HERE)), "docs", "locate.json")
+        with open(path) as f:
+            print(markdown_ladder(json.load(f)["ladder"]))
+        return
     if a.child:
         if len(a.child) == 4:
             print(json.dumps(child_ladder(*a.child)))
