@@ -324,7 +324,8 @@ class Trainer:
             self.log.append(
                 "transient",
                 step_no,
-                detail="replay produced no non-finite value: suspect hardware or non-determinism",
+                detail=getattr(report, "reason", None)
+                or "replay produced no non-finite value: suspect hardware or non-determinism",
             )
             return report
         rd = report.to_dict()
