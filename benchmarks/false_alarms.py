@@ -424,37 +424,52 @@ def _summary(arms: list[dict]) -> dict:
     }
 
 
-def _print_clean(clean: list[dict]) -> None:
-    print(
-        f"\n{'arm':<11}{'seed':>5}{'steps':>6}{'downshifts':>11}{'(risk/nonfin)':>14}"
+def clean_table(clean: list[dict]) -> str:
+    """The clean-run table: one line per (arm, seed)."""
+    lines = [
+        f"{'arm':<11}{'seed':>5}{'steps':>6}{'downshifts':>11}{'(risk/nonfin)':>14}"
         f"{'incidents':>10}{'not FAST':>9}{'risk>=0.5':>10}  top probes (trigger rate)"
-    )
+    ]
     for a in clean:
         for r in a["runs"]:
             top = sorted(r["probe_trigger_rate"].items(), key=lambda kv: -kv[1])[:2]
             tops = ", ".join(f"{n} {v:.4f}" for n, v in top if v > 0) or "-"
             cause = f"{r.get('downshifts_by_risk', '?')}/{r.get('downshifts_by_nonfinite', '?')}"
-            print(
+            lines.append(
                 f"{a['arm']:<11}{r['seed']:>5}{r['steps']:>6}{r['downshifts']:>11}{cause:>14}"
                 f"{r.get('incident_steps', '?'):>10}{r['steps_not_fast']:>9}"
                 f"{100 * r['risk_ge_half_frac']:>9.2f}%  {tops}"
             )
+    return "\n".join(lines)
 
 
-def _print_precursors(precursors: list[dict]) -> None:
-    print(f"\n{'scenario':<26}{'first non-finite':>17}{'first downshift':>16}{'lead':>6}  probes")
+def precursor_table(precursors: list[dict]) -> str:
+    """The precursor-scenario table: first non-finite step, first downshift, lead."""
+    lines = [f"{'scenario':<26}{'first non-finite':>17}{'first downshift':>16}{'lead':>6}  probes"]
     for r in precursors:
         if r["knob"] == "alarm":
-            print(
+            lines.append(
                 f"{r['scenario']:<26} forced downshift at {r['alarm_at']}: back to FAST after "
                 f"{r['steps_not_fast']} steps (recovery_window {r['recovery_window']})"
             )
             continue
-        print(
+        lines.append(
             f"{r['scenario']:<26}{str(r['first_nonfinite']):>17}"
             f"{str(r['first_downshift']):>16}{str(r['lead_steps']):>6}  "
             f"{', '.join(r['downshift_probes'][:2])}"
         )
+    return "\n".join(lines)
+
+
+def table(doc: dict) -> str:
+    """Both tables and the summary line of a ``docs/false_alarms.json`` document."""
+    s = doc["summary"]
+    summary = (
+        f"over {s['steps']} clean steps: risk>=0.5 on {100 * s['risk_ge_half_frac']:.3f}% "
+        f"(goal <= 1%), downshifts {s['downshifts']} (by risk {s['downshifts_by_risk']}, "
+        f"by non-finite steps {s['downshifts_by_nonfinite']}; goal 0)"
+    )
+    return "\n\n".join([clean_table(doc["clean"]), precursor_table(doc["precursors"]), summary])
 
 
 def _merge(doc: dict, clean: list[dict], precursors: list[dict]) -> dict:
@@ -525,8 +540,10 @@ def _write(
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=1) + "\n")
     if final:
-        _print_clean(doc["clean"])
-        _print_precursors(doc["precursors"])
+        print()
+        print(clean_table(doc["clean"]))
+        print()
+        print(precursor_table(doc["precursors"]))
         print(f"\nsummary: {json.dumps(doc['summary'])}")
         print(f"wrote {args.json}")
 

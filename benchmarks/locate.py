@@ -547,7 +547,10 @@ def main() -> None:
         print_ladder(records)
         path = a.json or os.path.join(os.path.dirname(os.path.dirname(HERE)), "docs", "locate.json")
         with open(path, "w") as f:
-            json.dump({"ladder": records, "rss_limit_gb": RSS_LIMIT_GB}, f, indent=1)
+            cmd = "python benchmarks/locate.py " + " ".join(sys.argv[1:])
+            json.dump(
+                {"command": cmd, "ladder": records, "rss_limit_gb": RSS_LIMIT_GB}, f, indent=1
+            )
         return
 
     lines = _marker_lines()

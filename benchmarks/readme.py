@@ -78,12 +78,42 @@ def _zoo(data: list) -> str:
     return text.split("\n", 1)[1]  # the header line's configuration is in the README text
 
 
+def _locate_command(data: dict, path: str) -> str:
+    recs = data["ladder"]
+    rungs = sorted({r["rung"] for r in recs})
+    layouts = sorted({r["layout"] for r in recs})
+    faults = sorted({r["fault"] for r in recs})
+    return (
+        f"python benchmarks/locate.py --rungs {','.join(rungs)} --layouts {','.join(layouts)} "
+        f"--faults {','.join(faults)} --json {path}"
+    )
+
+
+def _false_alarms_command(doc: dict, path: str) -> str:
+    return "; ".join(r["command"] for r in doc["runs"])
+
+
+def _locate(data: dict) -> str:
+    import locate
+
+    return locate.markdown_ladder(data["ladder"])
+
+
+def _false_alarms(doc: dict) -> str:
+    import false_alarms
+
+    return false_alarms.table(doc)
+
+
 # name -> (json path, table renderer, command rebuilt from the JSON's own parameters)
 TABLES: dict[str, tuple[str, Callable, Callable]] = {
     "overhead": ("docs/overhead.json", _overhead, _overhead_command),
     "zoo": ("docs/zoo_quick.json", _zoo, _zoo_command),
     "ops": ("docs/ops.json", _ops, _ops_command),
+    "locate": ("docs/locate.json", _locate, _locate_command),
+    "false_alarms": ("docs/false_alarms.json", _false_alarms, _false_alarms_command),
 }
+MARKDOWN = {"locate"}  # renderers that return a markdown table, not preformatted text
 
 
 def render_block(name: str) -> str:
@@ -91,7 +121,9 @@ def render_block(name: str) -> str:
     path, table, rebuild = TABLES[name]
     data = json.loads((ROOT / path).read_text())
     recorded = isinstance(data, dict) and data.get("command")
-    if recorded:
+    if name == "false_alarms":
+        how = f"Written by `{rebuild(data, path)}` (each run merged into `{path}`)."
+    elif recorded:
         how = f"Written by `{data['command']}`."
     else:
         how = (
@@ -99,6 +131,8 @@ def render_block(name: str) -> str:
             "records; the script now records its command)."
         )
     body = "\n".join(line.rstrip() for line in table(data).splitlines())
+    if name in MARKDOWN:
+        return f"{how}\n\n{body}\n"
     return f"{how}\n\n```\n{body}\n```\n"
 
 
