@@ -42,7 +42,9 @@ class Config:
       safe_max_steps: longest SAFE stay before a site returns to STABLE.
       safe_backoff_max: cap on the number of doublings of a repeat offender's SAFE stay.
       recovery_window: consecutive calm steps before STABLE returns to FAST.
-      ring_buffer: batches kept on the host for replay.
+      ring_buffer: batches kept on the host for replay after a rollback; ``None`` (default)
+        keeps ``checkpoint_every`` of them, so a rollback to the newest checkpoint can always
+        replay every step since it. A value below ``checkpoint_every`` is an error.
       checkpoint_every: steps between checkpoints (trainer).
       max_incidents: non-finite incidents after which the trainer stops with an error.
       log_every: steps between metric records in ``metrics.jsonl`` (trainer).
@@ -69,7 +71,7 @@ class Config:
     safe_max_steps: int = 8
     safe_backoff_max: int = 4
     recovery_window: int = 64
-    ring_buffer: int = 16
+    ring_buffer: int | None = None
     checkpoint_every: int = 50
     max_incidents: int = 8
     log_every: int = 1
@@ -199,10 +201,10 @@ class Config:
             "an int >= 1",
         )
         _check(
-            is_int(self.ring_buffer) and self.ring_buffer >= 1,
+            self.ring_buffer is None or (is_int(self.ring_buffer) and self.ring_buffer >= 1),
             "ring_buffer",
             self.ring_buffer,
-            "an int >= 1 (the write-up keeps 10-20)",
+            "None or an int >= 1",
         )
         _check(
             is_int(self.checkpoint_every) and self.checkpoint_every >= 1,
@@ -217,6 +219,18 @@ class Config:
             "an int >= 1",
         )
         _check(is_int(self.log_every) and self.log_every >= 1, "log_every", self.log_every, ">= 1")
+        _check(
+            self.ring_buffer is None or self.ring_buffer >= self.checkpoint_every,
+            "ring_buffer",
+            self.ring_buffer,
+            f"None or >= checkpoint_every ({self.checkpoint_every}): a rollback to the newest "
+            "checkpoint replays every batch since it from the ring buffer",
+        )
+
+    @property
+    def ring_size(self) -> int:
+        """Batches the trainer keeps for replay: ``ring_buffer``, or ``checkpoint_every``."""
+        return self.checkpoint_every if self.ring_buffer is None else self.ring_buffer
 
     @property
     def alpha(self) -> float:

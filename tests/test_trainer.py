@@ -90,24 +90,42 @@ def test_fault_is_located_put_in_safe_and_recovers(tmp_path):
 
 def test_nan_in_the_data_is_reported_as_data(tmp_path):
     tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
-    tr.fit(_batches(6, bad={2: "nan"}), steps=6)
+    hist = tr.fit(_batches(6, bad={2: "nan"}), steps=6)
     ev = tr.events
     polluted = [e for e in ev if e["type"] == "polluted_input"]
-    assert polluted and polluted[0]["step"] == 2
-    assert "batch" in polluted[0]["report"]["argument"]
-    assert not any(e["type"] == "locate" for e in ev)
+    assert len(polluted) == 1 and polluted[0]["step"] == 2
+    assert polluted[0]["leaf"] == "[0]" and polluted[0]["rows"] == [0]
+    assert polluted[0]["report"]["diagnosis"] == "polluted input"
+    assert not any(e["type"] in ("locate", "downshift", "rollback") for e in ev)
+    assert hist[2]["skipped"] and hist[2]["polluted"] and not hist[2]["incident"]
+    # No downshift, no loss-scale cut, and the next step does not count as non-finite.
+    assert all(h["gear"] == Gear.FAST for h in hist)
+    assert hist[3]["loss_scale"] == hist[2]["loss_scale"] == hist[0]["loss_scale"]
+    assert hist[3]["nonfinite"] == 0
+    tr.close()
 
 
-def test_nonfinite_state_is_never_checkpointed(tmp_path):
-    tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
-    tr.fit(_batches(5), steps=5)
-    assert tr.checkpoints.steps() == [5]
-    bad_params = jax_tree_nan(tr.state.params)
-    tr.state = tr.state.replace(params=bad_params)
-    tr.cfg = tr.cfg  # the forced state keeps training: every step is non-finite
-    with pytest.raises(NanIncidentError):
-        tr.fit(_batches(20), steps=20)
-    assert tr.checkpoints.steps() == [5]
+def test_damaged_state_is_rolled_back_and_never_trained_on(tmp_path):
+    with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run") as tr:
+        batches = _batches(16)
+        tr.fit(batches[:7], steps=7)
+        assert tr.checkpoints.steps() == [5]
+        # A bit flip in the live state: every weight NaN.
+        tr.state = tr.state.replace(params=jax_tree_nan(tr.state.params))
+        hist = tr.fit(batches[7:], steps=9)
+        ev = tr.events
+        rb = [e for e in ev if e["type"] == "rollback"]
+        assert len(rb) == 1 and rb[0]["to_step"] == 5 and rb[0]["cause"] == "damaged"
+        assert rb[0]["step"] == 7 and rb[0]["missing"] == []
+        assert any(e["type"] == "damaged" for e in ev)
+        # Steps 5 and 6 ran again from the ring buffer, then 7 (the failing batch) onwards.
+        replayed = [h["step"] for h in hist if h.get("replay")]
+        assert replayed == [5, 6, 7]
+        after = hist[hist.index(next(h for h in hist if h.get("replay"))) :]
+        assert all(np.isfinite(h["loss"]) and not h["skipped"] for h in after)
+        assert int(tr.state.step) == tr.step == 16
+        assert tr.checkpoints.steps() == [5, 10, 15]
+        assert not any(e["type"] == "locate" for e in ev)
 
 
 def jax_tree_nan(tree):
