@@ -169,6 +169,19 @@ class Checkpointer:
             return state, step
         return None
 
+    def delete_after(self, step: int) -> list[int]:
+        """Deletes every checkpoint after ``step`` (a timeline abandoned by a rollback).
+
+        Returns:
+          The deleted steps.
+        """
+        self.wait()
+        gone = [s for s in self.steps() if s > step]
+        for s in gone:
+            self._manager.delete(s)
+            (self._probes / f"{s}.json").unlink(missing_ok=True)
+        return gone
+
     def path(self, step: int) -> Path:
         return self.directory / str(int(step))
 

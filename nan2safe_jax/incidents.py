@@ -48,6 +48,8 @@ class Decision:
       restore: roll back to the newest finite checkpoint and replay from it.
       action: the decision in words (for the event log).
       enter: fields of the ``safe_enter`` event when a site (or the model) entered SAFE.
+      revert: the step treated the fault as the model's (gears down, loss scale cut) but it
+        was the data's: go back to the gears and optimizer state the step started from.
     """
 
     kind: str
@@ -56,6 +58,7 @@ class Decision:
     restore: bool = False
     action: str = ""
     enter: dict[str, Any] | None = None
+    revert: bool = False
 
 
 def polluted_report(batch) -> Report:
@@ -86,6 +89,42 @@ def polluted_report(batch) -> Report:
         explanation=(
             f"batch leaf {where} holds {stats['nonfinite']} non-finite value(s) in rows "
             f"{chans.get(0, [])[:16]}: the data, not the model"
+        ),
+        replays=0,
+        seconds=0.0,
+        input_path=where,
+        output_shape=tuple(np.shape(leaf)),
+    )
+
+
+def out_of_range_labels(batch, size: int) -> tuple[str, list[int]] | None:
+    """The first integer batch leaf holding values outside ``[0, size)``, and its bad rows.
+
+    Returns:
+      ``(key path, rows)`` or None.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        a = np.asarray(leaf)
+        if a.dtype.kind not in "iu" or a.ndim == 0:
+            continue
+        bad = (a < 0) | (a >= size)
+        if bad.any():
+            rows = np.nonzero(bad.reshape(a.shape[0], -1).any(axis=1))[0]
+            return jax.tree_util.keystr(path), [int(r) for r in rows]
+    return None
+
+
+def label_report(batch, where: str, rows: list[int], size: int) -> Report:
+    """The ``"polluted input"`` report of integer labels outside ``[0, size)``."""
+    leaf = _leaf_at(batch, where)
+    return Report.no_equation(
+        kind="label",
+        inputs=[array_stats(leaf)],
+        channels={0: rows},
+        diagnosis="polluted input",
+        explanation=(
+            f"batch leaf {where} holds integer labels outside [0, {size}) in rows {rows[:16]}: "
+            "the gather over them filled NaN (data, not model)"
         ),
         replays=0,
         seconds=0.0,
@@ -143,6 +182,17 @@ def decide(step_fn, before, batch, after, metrics: dict, cfg: Config) -> Decisio
         return Decision("transient", report, action="replay stayed finite: step skipped")
     if report.primitive is None:  # an argument was non-finite after all (e.g. an aux input)
         return Decision("polluted_input", report, action="skipped the batch (data, not model)")
+    if report.primitive == "gather" and report.inputs:
+        # A gather only copies values: NaN from finite inputs is its out-of-bounds fill, e.g.
+        # a cross-entropy's take_along_axis over labels outside [0, vocab).
+        bad = out_of_range_labels(batch, report.inputs[0]["shape"][-1])
+        if bad is not None:
+            return Decision(
+                "polluted_input",
+                label_report(batch, *bad, report.inputs[0]["shape"][-1]),
+                action="skipped the batch: integer labels out of range (data, not model)",
+                revert=True,
+            )
     return _downshift(report, before.gear, after.gear, cfg)
 
 

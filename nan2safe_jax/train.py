@@ -43,6 +43,7 @@ class TrainState(struct.PyTreeNode):
     detector: DetectorState
     step: jax.Array  # i32[]
     update_stats: jax.Array  # f32[NUM_STATS] the previous update's norm, the "update" probe
+    lr_scale: jax.Array  # f32[] learning-rate multiplier the host sets (loss-spike recovery)
     tx: Any = struct.field(pytree_node=False)
     cfg: Config = struct.field(pytree_node=False)
 
@@ -85,6 +86,7 @@ class TrainState(struct.PyTreeNode):
             detector=DetectorState.create(names),
             step=jnp.zeros([], jnp.int32),
             update_stats=probe_lib.zeros(),
+            lr_scale=jnp.ones([], jnp.float32),
             tx=tx,
             cfg=cfg,
         )
@@ -265,7 +267,9 @@ def train_step(
 
     # The SAFE learning-rate cut follows the gears this step ran with (so the last SAFE step
     # gets it too), per parameter: only the SAFE site's own parameters slow down.
-    factors = lr_factors(state.params, gs, cfg.safe_lr_factor)
+    factors = jax.tree_util.tree_map(
+        lambda f: f * state.lr_scale, lr_factors(state.params, gs, cfg.safe_lr_factor)
+    )
     applied = finite & ~polluted
     updates, new_opt = state.tx.update(
         grads,

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from nan2safe_jax import incidents
@@ -32,6 +33,7 @@ from nan2safe_jax.checkpoint import Checkpointer
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear
 from nan2safe_jax.runlog import EventLog
+from nan2safe_jax.spikes import Spike, SpikeWatch
 from nan2safe_jax.train import TrainState, make_train_step
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,15 @@ class NanIncidentError(RuntimeError):
         super().__init__(message)
         self.report = report
         self.history: list[dict] = []  # the metrics of the interrupted fit call
+
+
+@dataclasses.dataclass
+class _Restart:
+    """Tier 2 (or the spike watch) replaced the state: train on from ``state``."""
+
+    state: TrainState
+    replay: list = dataclasses.field(default_factory=list)  # batches to run first, in order
+    discard: int = 0  # new batches to skip after those (the data that led into a loss spike)
 
 
 @dataclasses.dataclass
@@ -173,6 +184,9 @@ class Trainer:
         self.ring: collections.deque = collections.deque(maxlen=self.cfg.ring_size)
         self.incidents = 0
         self.rollbacks = 0
+        self.spikes = SpikeWatch(self.cfg)
+        self.spike_rollbacks = 0
+        self._lr_left = 0  # steps left at the lowered learning rate after a loss spike
         self.last_report = None
         self.step = 0
         self._last_sites: dict[str, Any] = {}
@@ -240,6 +254,7 @@ class Trainer:
         bar = _Progress(steps) if self.progress else None
         source = iter(batches)
         queued: collections.deque = collections.deque()  # (batch, is_replay) to run first
+        discard = 0  # new batches still to skip after a loss-spike rollback
         drawn = 0
         inflight: _Step | None = None
         try:
@@ -251,16 +266,20 @@ class Trainer:
                     drawn += batch is not _END
                 else:
                     batch = _END
+                if batch is not _END and not replayed and discard > 0:
+                    discard -= 1
+                    continue
                 running = None if batch is _END else self._dispatch(batch, replayed)
                 if inflight is not None:
                     restart = self._finish(inflight, history, bar)
                     if restart is not None:
-                        # Tier 2 replaced the state: the step just dispatched ran on the old
-                        # one. Drop it; run the replayed batches, then this one again.
-                        state, replay = restart
+                        # The state was replaced: the step just dispatched ran on the old one.
+                        # Drop it; run the replayed batches, then this one again.
                         again = [] if running is None else [(batch, replayed)]
-                        queued.extendleft(reversed([*replay, *again]))
-                        self.state, self.step, inflight = state, int(state.step), None
+                        queued.extendleft(reversed([*restart.replay, *again]))
+                        discard += restart.discard
+                        self.state, inflight = restart.state, None
+                        self.step = int(restart.state.step)
                         continue
                 if running is None:
                     break
@@ -282,11 +301,12 @@ class Trainer:
         self.step += 1
         return step
 
-    def _finish(self, done: _Step, history: list, bar) -> tuple | None:
+    def _finish(self, done: _Step, history: list, bar) -> _Restart | None:
         """Everything the host does once step ``done``'s metrics are readable.
 
         Returns:
-          None to carry on, or ``(state, batches to replay)`` when tier 2 replaced the state.
+          None to carry on, or a ``_Restart`` when the state was replaced (new gears, a
+          rollback, the learning rate back after a loss spike).
         """
         m = _host(done.metrics)
         m["time"] = time.time()
@@ -296,20 +316,29 @@ class Trainer:
         history.append(m)
         if bar:
             bar.update(m)
-        self._gear_events(done.step, m)
         if m["skipped"]:
             self.log.append("skip", done.step, reason=_skip_reason(m), loss=m["loss"])
-        restart = None
-        if m["incident"] or m["polluted"]:
-            restart = self._incident(done, m)
-        if restart is None:
-            self.ring.append((done.step, done.batch))
         if (done.step + 1) % self.cfg.log_every == 0 or m["incident"] or m["polluted"]:
             self.log.log_metrics(
                 {k: m[k] for k in m if k not in ("probe_risk",)} | {"step": done.step}
             )
-        if restart is None and (done.step + 1) % self.cfg.checkpoint_every == 0:
-            self._checkpoint(done.step + 1, done.after, m["state_finite"])
+        restart = None
+        if m["incident"] or m["polluted"]:
+            restart = self._incident(done, m)
+        self._gear_events(done.step, m)
+        if restart is None:
+            spike = self.spikes.update(done.step, m["loss"], not m["skipped"])
+            restart = None if spike is None else self._spike(done, spike)
+        if restart is None and self._lr_left > 0:
+            self._lr_left -= 1
+            if self._lr_left == 0:
+                self.log.append("lr_restore", done.step, lr_scale=1.0)
+                restart = _Restart(done.after.replace(lr_scale=jnp.ones([], jnp.float32)))
+        if restart is None or not restart.replay and not restart.discard:
+            self.ring.append((done.step, done.batch))
+            if (done.step + 1) % self.cfg.checkpoint_every == 0:
+                state = done.after if restart is None else restart.state
+                self._checkpoint(done.step + 1, state, m["state_finite"])
         return restart
 
     def _checkpoint(self, step: int, state, finite: bool) -> None:
@@ -339,7 +368,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ tier 2
 
-    def _incident(self, done: _Step, m: dict) -> tuple | None:
+    def _incident(self, done: _Step, m: dict) -> _Restart | None:
         """Tier 2 for one failing step: decide, log, act. See ``nan2safe_jax.incidents``."""
         self.incidents += 1
         t0 = time.perf_counter()
@@ -389,11 +418,15 @@ class Trainer:
             restart = self._rollback(done, decision)
             if restart is not None:
                 return restart
+        if decision.revert:
+            m["next_gear"] = m["gear"]  # no downshift happened, after all
+            before = done.before
+            return _Restart(done.after.replace(gear=before.gear, opt_state=before.opt_state))
         if decision.gear is not None:
-            return done.after.replace(gear=decision.gear), []
+            return _Restart(done.after.replace(gear=decision.gear))
         return None
 
-    def _rollback(self, done: _Step, decision) -> tuple | None:
+    def _rollback(self, done: _Step, decision) -> _Restart | None:
         """Restores the newest finite checkpoint at or before step ``done`` with the new gears.
 
         The step counter goes back to the checkpoint's, and the batches since then (the ring
@@ -401,7 +434,7 @@ class Trainer:
         ``n``-th batch. Batches the ring no longer holds are listed as ``missing`` in the event.
 
         Returns:
-          ``(restored state, [(batch, True), ...] to replay)``, or None (logged) when no finite
+          The restored state and the batches to replay, or None (logged) when no finite
           checkpoint exists.
         """
         self.checkpoints.wait()
@@ -432,7 +465,60 @@ class Trainer:
             missing=missing,
             action=decision.action,
         )
-        return state, [(b, True) for _, b in replay]
+        return _Restart(state, [(b, True) for _, b in replay])
+
+    def _spike(self, done: _Step, spike: Spike) -> _Restart | None:
+        """Loss-spike rollback: the checkpoint before the spike, without the data that led in.
+
+        Restores the newest finite checkpoint at or before the spike's first step, replays the
+        ring buffer up to that step, then skips ``cfg.spike_skip_batches`` batches from it (those
+        the ring holds, then new ones) and, with ``cfg.spike_lr_steps``, lowers the learning
+        rate by ``cfg.spike_lr_factor`` for that many steps. At most
+        ``cfg.spike_max_rollbacks`` times; every decision is an event.
+        """
+        cfg = self.cfg
+        seen = dict(start=spike.start, loss=spike.loss, baseline=spike.baseline)
+        if self.spike_rollbacks >= cfg.spike_max_rollbacks:
+            self.log.append("spike", done.step, **seen, action="rollback cap reached: carry on")
+            return None
+        self.checkpoints.wait()
+        found = self.checkpoints.restore_latest(self.state, before=spike.start)
+        if found is None:
+            self.log.append("spike", done.step, **seen, action="no checkpoint before the spike")
+            return None
+        state, ckpt = found
+        replay = [(s, b) for s, b in self.ring if ckpt <= s < spike.start]
+        have = {s for s, _ in replay}
+        missing = [s for s in range(ckpt, spike.start) if s not in have]
+        dropped = len([s for s, _ in self.ring if s >= spike.start]) + 1  # + the current one
+        discard = max(0, cfg.spike_skip_batches - dropped)
+        lowered = cfg.spike_lr_steps > 0 and cfg.spike_lr_factor < 1
+        if lowered:
+            state = state.replace(lr_scale=jnp.asarray(cfg.spike_lr_factor, jnp.float32))
+            self._lr_left = len(replay) + cfg.spike_lr_steps
+        self.ring = collections.deque(
+            [(s, b) for s, b in self.ring if s < ckpt], maxlen=self.ring.maxlen
+        )
+        deleted = self.checkpoints.delete_after(ckpt)
+        self.spikes.reset_streak()
+        self.spike_rollbacks += 1
+        self.rollbacks += 1
+        self.log.append("spike", done.step, **seen, action=f"roll back to step {ckpt}")
+        self.log.append(
+            "rollback",
+            done.step,
+            to_step=int(ckpt),
+            path=str(self.checkpoints.path(ckpt)),
+            cause="loss_spike",
+            replayed=len(replay),
+            missing=missing,
+            skipped_batches=dropped + discard,
+            lr_factor=cfg.spike_lr_factor if lowered else 1.0,
+            lr_steps=cfg.spike_lr_steps if lowered else 0,
+            deleted_checkpoints=deleted,
+            action=f"skip {dropped + discard} batches from step {spike.start}",
+        )
+        return _Restart(state, [(b, True) for _, b in replay], discard=discard)
 
     def _shards(self, report, batch) -> dict:
         """Which data shard / devices held the culprit's bad rows (its axis 0 = the batch)."""

@@ -17,6 +17,7 @@ from flax import nnx
 from tiny_models import FragileNet, Net, data, loss_fn, make_fragile
 
 from nan2safe_jax import Config, Gear, Trainer, cli
+from nan2safe_jax import nn as nan2safe_nn
 from nan2safe_jax.report import read_events, read_metrics
 from nan2safe_jax.supervisor import NanIncidentError
 
@@ -284,3 +285,79 @@ def test_end_to_end_fp16_transformer_fully_masked_row(tmp_path):
     losses = [h["loss"] for h in hist]
     assert np.isfinite(losses[-1]) and losses[-1] < losses[0]
     assert all(np.isfinite(h["loss"]) for h in hist[bad_step + 1 :])
+
+
+def test_loss_spike_rolls_back_before_the_spike_and_skips_its_data(tmp_path):
+    cfg = Config(
+        checkpoint_every=5,
+        min_history=4,
+        window=8,
+        spike_factor=3.0,
+        spike_steps=2,
+        spike_skip_batches=4,
+        spike_lr_factor=0.5,
+        spike_lr_steps=3,
+    )
+    x, y = data(24)
+    batches = [(x[i], y[i] * (100.0 if 12 <= i < 16 else 1.0)) for i in range(24)]
+    with Trainer(Net(rngs=nnx.Rngs(0)), optax.sgd(1e-2), loss_fn, cfg, tmp_path / "r") as tr:
+        hist = tr.fit(batches, steps=24)
+        ev = tr.events
+    spikes = [e for e in ev if e["type"] == "spike"]
+    assert len(spikes) == 1 and spikes[0]["start"] == 12 and spikes[0]["step"] == 13
+    rb = [e for e in ev if e["type"] == "rollback"]
+    assert len(rb) == 1 and rb[0]["cause"] == "loss_spike" and rb[0]["to_step"] == 10
+    assert rb[0]["skipped_batches"] == 4 and rb[0]["lr_factor"] == 0.5
+    assert [h["step"] for h in hist if h.get("replay")] == [10, 11]
+    assert any(e["type"] == "lr_restore" for e in ev)
+    # The spiky batches 12..15 never trained the model after the rollback: 24 batches, 4 gone.
+    after = hist[[i for i, h in enumerate(hist) if h.get("replay")][0] :]
+    assert max(h["loss"] for h in after) < 3.0 * spikes[0]["baseline"]
+    assert tr.step == 20 and tr.spike_rollbacks == 1 and tr.log.closed
+
+
+def test_loss_spike_config_is_validated():
+    assert Config().spike_factor is None  # off by default
+    for field, bad in (
+        ("spike_factor", 1.0),
+        ("spike_steps", 0),
+        ("spike_skip_batches", -1),
+        ("spike_lr_factor", 0.0),
+        ("spike_lr_steps", -1),
+        ("spike_max_rollbacks", -1),
+    ):
+        with pytest.raises(ValueError, match=field):
+            Config(**{field: bad})
+    with pytest.raises(ValueError, match="ring_buffer"):
+        Config(checkpoint_every=20, ring_buffer=10)
+
+
+class _Classifier(nnx.Module):
+    def __init__(self, *, rngs):
+        self.lin = nnx.Linear(16, 8, rngs=rngs)
+        self.ce = nan2safe_nn.CrossEntropy()
+
+    def __call__(self, x, labels):
+        return self.ce(self.lin(x), labels)
+
+
+def test_out_of_range_labels_are_a_polluted_input_not_a_model_fault(tmp_path):
+    rng = np.random.default_rng(0)
+    batches = []
+    for i in range(5):
+        labels = rng.integers(0, 8, 32).astype(np.int32)
+        if i == 2:
+            labels[[3, 7]] = 9  # outside [0, 8): the cross-entropy's gather fills NaN
+        batches.append((jnp.asarray(rng.normal(size=(32, 16)), jnp.float32), labels))
+    ce_loss = lambda model, batch: model(*batch)
+    with Trainer(_Classifier(rngs=nnx.Rngs(0)), optax.adam(1e-3), ce_loss, CFG, tmp_path) as tr:
+        hist = tr.fit(batches, steps=5)
+        ev = tr.events
+    polluted = [e for e in ev if e["type"] == "polluted_input"]
+    assert len(polluted) == 1 and polluted[0]["step"] == 2
+    assert polluted[0]["leaf"] == "[1]" and polluted[0]["rows"] == [3, 7]
+    assert "labels outside [0, 8)" in polluted[0]["report"]["explanation"]
+    assert not any(e["type"] in ("locate", "safe_enter", "downshift") for e in ev)
+    assert hist[2]["skipped"]
+    assert all(h["gear"] == Gear.FAST for h in hist)
+    assert hist[-1]["loss_scale"] == hist[0]["loss_scale"]
