@@ -3,12 +3,24 @@
 Public surface (see docs/design.md, "Module map"). ``import nan2safe_jax as nan2safe``.
 """
 
-from nan2safe_jax import detector, gear, nn, ops, optax, replay, sharding, site
+from nan2safe_jax import (  # noqa: F401 - module access
+    detector,
+    gear,
+    incidents,
+    nn,
+    ops,
+    optax,
+    replay,
+    sharding,
+    site,
+    supervisor,
+    trainer,
+)
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear, GearState
 from nan2safe_jax.site import Probe, SiteGear
-from nan2safe_jax.supervisor import Trainer
 from nan2safe_jax.train import TrainState, make_train_step
+from nan2safe_jax.trainer import Trainer
 
 __all__ = [
     "Config",

@@ -5,10 +5,15 @@ optimizer, come from the running program), so gears and detector baselines trave
 parameters and a resumed run keeps its gears. A state that is not finite is refused; on restore
 an incomplete or corrupt checkpoint is skipped with a warning, and so is one whose arrays are
 not finite, so a run always resumes from the newest *good* one.
+
+The detector's probe names are kept beside each checkpoint (``<dir>_probes/<step>.json``): a run
+resumed with a different probe set (a model edited between runs, a probe added) restores the
+baselines of the probes both sets share instead of rejecting the checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import warnings
@@ -49,6 +54,13 @@ def _from_saved(saved: dict, template):
     return jax.tree_util.tree_unflatten(treedef, new)
 
 
+def _probe_names(state) -> tuple[str, ...] | None:
+    """The detector's probe names of a ``TrainState`` (None for any other tree)."""
+    det = getattr(state, "detector", None)
+    names = getattr(det, "names", None)
+    return None if names is None or not hasattr(state, "with_probes") else tuple(names)
+
+
 def _abstract(template) -> dict:
     def spec(leaf):
         if _is_key(leaf):
@@ -75,6 +87,7 @@ class Checkpointer:
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._probes = self.directory.parent / f"{self.directory.name}_probes"
 
     def steps(self) -> list[int]:
         """Steps of the checkpoints orbax considers complete, oldest first."""
@@ -97,13 +110,35 @@ class Checkpointer:
         if not ok:
             log.warning("step %d: state is not finite; checkpoint refused", step)
             return False
+        names = _probe_names(state)
+        if names is not None:
+            self._probes.mkdir(parents=True, exist_ok=True)
+            (self._probes / f"{int(step)}.json").write_text(json.dumps(list(names)))
         self._manager.save(int(step), args=ocp.args.StandardSave(_to_saveable(state)), force=True)
         return True
 
     def restore(self, step: int, template):
-        """Restores checkpoint ``step`` into the structure (and shardings) of ``template``."""
-        saved = self._manager.restore(int(step), args=ocp.args.StandardRestore(_abstract(template)))
-        return _from_saved(saved, template)
+        """Restores checkpoint ``step`` into the structure (and shardings) of ``template``.
+
+        A ``TrainState`` saved with another probe set is restored with the probes it was saved
+        with, then carried over to ``template``'s (shared probes keep their baselines, new ones
+        start fresh).
+        """
+        saved_names = self._saved_names(step)
+        names = _probe_names(template)
+        like = template
+        if saved_names is not None and names is not None and saved_names != names:
+            like = template.with_probes(saved_names)
+        saved = self._manager.restore(int(step), args=ocp.args.StandardRestore(_abstract(like)))
+        state = _from_saved(saved, like)
+        return state if like is template else state.with_probes(names)
+
+    def _saved_names(self, step: int) -> tuple[str, ...] | None:
+        path = self._probes / f"{int(step)}.json"
+        try:
+            return tuple(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            return None
 
     def restore_latest(self, template, *, before: int | None = None):
         """The newest complete and finite checkpoint as ``(state, step)``, or None.
@@ -133,6 +168,19 @@ class Checkpointer:
                 continue
             return state, step
         return None
+
+    def delete_after(self, step: int) -> list[int]:
+        """Deletes every checkpoint after ``step`` (a timeline abandoned by a rollback).
+
+        Returns:
+          The deleted steps.
+        """
+        self.wait()
+        gone = [s for s in self.steps() if s > step]
+        for s in gone:
+            self._manager.delete(s)
+            (self._probes / f"{s}.json").unlink(missing_ok=True)
+        return gone
 
     def path(self, step: int) -> Path:
         return self.directory / str(int(step))

@@ -25,8 +25,8 @@ def _demo(args) -> int:
 
 def _locate(args) -> int:
     from nan2safe_jax import replay
-    from nan2safe_jax.supervisor import load_factory, load_incident
     from nan2safe_jax.train import TrainState, make_train_step
+    from nan2safe_jax.trainer import load_factory, load_incident
 
     workdir = Path(args.workdir)
     run = json.loads((workdir / "run.json").read_text()) if (workdir / "run.json").exists() else {}

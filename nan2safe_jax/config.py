@@ -51,10 +51,21 @@ class Config:
       safe_max_steps: longest SAFE stay before a site returns to STABLE.
       safe_backoff_max: cap on the number of doublings of a repeat offender's SAFE stay.
       recovery_window: consecutive calm steps before STABLE returns to FAST.
-      ring_buffer: batches kept on the host for replay.
+      ring_buffer: batches kept on the host for replay after a rollback; ``None`` (default)
+        keeps ``checkpoint_every`` of them, so a rollback to the newest checkpoint can always
+        replay every step since it. A value below ``checkpoint_every`` is an error.
       checkpoint_every: steps between checkpoints (trainer).
       max_incidents: non-finite incidents after which the trainer stops with an error.
       log_every: steps between metric records in ``metrics.jsonl`` (trainer).
+      spike_factor: loss-spike rollback (trainer; off when ``None``, the default): a loss above
+        ``spike_factor`` times its running baseline for ``spike_steps`` steps in a row is a
+        divergence without a NaN.
+      spike_steps: consecutive steps above the line that make a spike.
+      spike_skip_batches: batches skipped from the spike's first step after the rollback (the
+        data that led into the spike).
+      spike_lr_factor: learning-rate factor for ``spike_lr_steps`` steps after the rollback.
+      spike_lr_steps: how long ``spike_lr_factor`` applies (0: the learning rate is kept).
+      spike_max_rollbacks: loss-spike rollbacks at most per ``Trainer``; later spikes are logged.
     """
 
     window: int = 128
@@ -80,10 +91,16 @@ class Config:
     safe_max_steps: int = 8
     safe_backoff_max: int = 4
     recovery_window: int = 64
-    ring_buffer: int = 16
+    ring_buffer: int | None = None
     checkpoint_every: int = 50
     max_incidents: int = 8
     log_every: int = 1
+    spike_factor: float | None = None
+    spike_steps: int = 3
+    spike_skip_batches: int = 8
+    spike_lr_factor: float = 1.0
+    spike_lr_steps: int = 0
+    spike_max_rollbacks: int = 3
 
     def __post_init__(self):
         def is_int(v):
@@ -223,10 +240,10 @@ class Config:
             "an int >= 1",
         )
         _check(
-            is_int(self.ring_buffer) and self.ring_buffer >= 1,
+            self.ring_buffer is None or (is_int(self.ring_buffer) and self.ring_buffer >= 1),
             "ring_buffer",
             self.ring_buffer,
-            "an int >= 1 (the write-up keeps 10-20)",
+            "None or an int >= 1",
         )
         _check(
             is_int(self.checkpoint_every) and self.checkpoint_every >= 1,
@@ -241,6 +258,54 @@ class Config:
             "an int >= 1",
         )
         _check(is_int(self.log_every) and self.log_every >= 1, "log_every", self.log_every, ">= 1")
+        _check(
+            self.ring_buffer is None or self.ring_buffer >= self.checkpoint_every,
+            "ring_buffer",
+            self.ring_buffer,
+            f"None or >= checkpoint_every ({self.checkpoint_every}): a rollback to the newest "
+            "checkpoint replays every batch since it from the ring buffer",
+        )
+        _check(
+            self.spike_factor is None or (is_num(self.spike_factor) and self.spike_factor > 1),
+            "spike_factor",
+            self.spike_factor,
+            "None (off) or > 1",
+        )
+        _check(
+            is_int(self.spike_steps) and self.spike_steps >= 1,
+            "spike_steps",
+            self.spike_steps,
+            "an int >= 1",
+        )
+        _check(
+            is_int(self.spike_skip_batches) and self.spike_skip_batches >= 0,
+            "spike_skip_batches",
+            self.spike_skip_batches,
+            "an int >= 0",
+        )
+        _check(
+            is_num(self.spike_lr_factor) and 0 < self.spike_lr_factor <= 1,
+            "spike_lr_factor",
+            self.spike_lr_factor,
+            "in (0, 1]",
+        )
+        _check(
+            is_int(self.spike_lr_steps) and self.spike_lr_steps >= 0,
+            "spike_lr_steps",
+            self.spike_lr_steps,
+            "an int >= 0",
+        )
+        _check(
+            is_int(self.spike_max_rollbacks) and self.spike_max_rollbacks >= 0,
+            "spike_max_rollbacks",
+            self.spike_max_rollbacks,
+            "an int >= 0",
+        )
+
+    @property
+    def ring_size(self) -> int:
+        """Batches the trainer keeps for replay: ``ring_buffer``, or ``checkpoint_every``."""
+        return self.checkpoint_every if self.ring_buffer is None else self.ring_buffer
 
     @property
     def alpha(self) -> float:

@@ -138,13 +138,21 @@ def geared_clip(
 
 
 def safe_lr_factor(factor: float) -> optax.GradientTransformationExtraArgs:
-    """Scales updates by ``factor`` while the model or any site is in SAFE.
+    """Scales updates by ``factor`` where the fault is (docs/design.md, "Gears").
 
-    See docs/design.md, "Gears".
+    With the extra argument ``lr_factors`` (a tree like the updates, from
+    ``nan2safe_jax.train.lr_factors``: ``factor`` on the parameters of sites in SAFE, 1
+    elsewhere) each update is scaled by its own factor. Without it, every update is scaled by
+    ``factor`` while the model or any site is in SAFE (``gear``).
     """
 
-    def update_fn(updates, state, params=None, *, gear=None, **extra):
+    def update_fn(updates, state, params=None, *, gear=None, lr_factors=None, **extra):
         del params, extra
+        if lr_factors is not None:
+            scaled = jax.tree_util.tree_map(
+                lambda u, f: (u * f).astype(u.dtype), updates, lr_factors
+            )
+            return scaled, state
         f = jnp.where(_in_safe(gear), factor, 1.0)
         return jax.tree_util.tree_map(lambda u: (u * f).astype(u.dtype), updates), state
 

@@ -8,6 +8,7 @@ the probes, decide the next gears, and apply a guarded update. Nothing leaves th
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -24,8 +25,8 @@ from nan2safe_jax import probe as probe_lib
 from nan2safe_jax import sharding as sharding_lib
 from nan2safe_jax.config import Config
 from nan2safe_jax.detector import DetectorState
-from nan2safe_jax.gear import GearState
-from nan2safe_jax.site import Probe, collect_probes, name_sites, site_gears
+from nan2safe_jax.gear import Gear, GearState
+from nan2safe_jax.site import Probe, collect_probes, name_sites, path_name, site_gears
 
 BUILTIN_PROBES = ("loss", "grad_norm", "update_norm")
 OVERFLOW_GRACE = 8  # loss-scale overflows in a row (a 256x back-off) before the first downshift
@@ -42,6 +43,7 @@ class TrainState(struct.PyTreeNode):
     detector: DetectorState
     step: jax.Array  # i32[]
     update_stats: jax.Array  # f32[NUM_STATS] the previous update's norm, the "update" probe
+    lr_scale: jax.Array  # f32[] learning-rate multiplier the host sets (loss-spike recovery)
     tx: Any = struct.field(pytree_node=False)
     cfg: Config = struct.field(pytree_node=False)
 
@@ -62,6 +64,13 @@ class TrainState(struct.PyTreeNode):
         if not isinstance(cfg, Config):
             raise ValueError(f"cfg must be a nan2safe.Config, got {type(cfg).__name__}")
         sites = name_sites(model)
+        if not sites:
+            warnings.warn(
+                "the model has no sites (no nan2safe.nn modules, no SiteGear variables): tier 2 "
+                "can locate a fault but only downshift the whole model, and tier 1 sees only "
+                "the loss and gradient probes",
+                stacklevel=2,
+            )
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         probe_opt = tx.init(params)
         if not guard_lib.is_guarded(probe_opt):
@@ -77,6 +86,7 @@ class TrainState(struct.PyTreeNode):
             detector=DetectorState.create(names),
             step=jnp.zeros([], jnp.int32),
             update_stats=probe_lib.zeros(),
+            lr_scale=jnp.ones([], jnp.float32),
             tx=tx,
             cfg=cfg,
         )
@@ -124,10 +134,23 @@ def _with_gears(state: TrainState):
     return rest
 
 
-def _forward(state: TrainState, rest, params, batch, loss_fn):
+def _forward(state: TrainState, rest, params, batch, loss_fn, has_aux: bool = False):
     model = nnx.merge(state.graphdef, params, rest, copy=True)
     declared = {path for path, node in nnx.iter_graph(model) if isinstance(node, Probe)}
-    loss = loss_fn(model, batch)
+    out = loss_fn(model, batch)
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(
+                f"has_aux=True: loss_fn must return (loss, aux), got {type(out).__name__}"
+            )
+        loss, aux = out
+    elif isinstance(out, tuple):
+        raise ValueError(
+            f"loss_fn returned a tuple of {len(out)}; if it is (loss, aux), pass has_aux=True "
+            "(to make_train_step or Trainer) and aux lands in metrics['aux']"
+        )
+    else:
+        loss, aux = out, None
     if not hasattr(loss, "shape") or jnp.ndim(loss) != 0:
         raise ValueError(
             f"loss_fn must return a scalar loss, got shape {getattr(loss, 'shape', type(loss))}; "
@@ -138,23 +161,70 @@ def _forward(state: TrainState, rest, params, batch, loss_fn):
     sown = lambda path, node: isinstance(node, Probe) and tuple(path) not in declared
     nnx.pop(model, sown)
     _, _, new_rest = nnx.split(model, nnx.Param, ...)
-    return loss, probes, new_rest
+    return loss, probes, new_rest, aux
+
+
+def lr_factors(params, gs: GearState, factor: float):
+    """Per-parameter SAFE learning-rate factor: ``factor`` where the parameter's site runs in
+    SAFE, else 1 (docs/design.md, "Gears": the cut goes where the fault is).
+
+    A parameter belongs to the innermost site whose module path prefixes its own; one in no site
+    follows the global level. A stacked site's gear ``[L]`` broadcasts over the parameter's
+    leading layer axis, so one layer in SAFE slows only that layer.
+
+    Args:
+      params: the model's ``nnx.Param`` state.
+      gs: the gears the step runs with.
+      factor: ``cfg.safe_lr_factor``.
+
+    Returns:
+      A tree like ``params`` of f32 factors (scalars, or ``[L, 1, ...]`` for stacked sites).
+    """
+    names = sorted(gs.sites, key=len, reverse=True)
+
+    def one(path, leaf):
+        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+        pname = path_name([k for k in keys if k is not None])
+        site = next((n for n in names if pname == n or pname.startswith(n + ".")), None)
+        g = gs.level if site is None else gear_lib.effective(gs, site)
+        f = jnp.where(g >= Gear.SAFE, factor, 1.0).astype(jnp.float32)
+        if f.ndim and jnp.ndim(leaf) >= f.ndim and jnp.shape(leaf)[: f.ndim] == f.shape:
+            f = f.reshape(f.shape + (1,) * (jnp.ndim(leaf) - f.ndim))
+        elif f.ndim:
+            f = jnp.where(jnp.any(g >= Gear.SAFE), factor, 1.0).astype(jnp.float32)
+        return f
+
+    return jax.tree_util.tree_map_with_path(one, params)
 
 
 def train_step(
-    state: TrainState, batch, loss_fn: Callable, lr_schedule: Callable | None = None
+    state: TrainState,
+    batch,
+    loss_fn: Callable,
+    lr_schedule: Callable | None = None,
+    has_aux: bool = False,
 ) -> tuple[TrainState, dict]:
-    """One step (un-jitted); ``make_train_step`` jits it. See the module docstring."""
+    """One step (un-jitted); ``make_train_step`` jits it. See the module docstring.
+
+    A step that is not applied (``metrics["skipped"]``) returns every variable of the state as
+    it was — parameters, optimizer state, the model's other variables (BatchNorm statistics),
+    detector baselines — except the gears, the loss scale after a model fault (it must back
+    off) and the step counter. A batch with a non-finite float is data, not a fault
+    (``metrics["polluted"]``): it is skipped with the gears and the loss scale untouched.
+    """
     cfg = state.cfg
     gs = state.gear
     rest = _with_gears(state)
     scale = guard_lib.loss_scale_of(state.opt_state)
+    # One reduction over the batch's floating leaves; under sharding it is a global reduction in
+    # the one SPMD program, so every process reads the same verdict.
+    polluted = ~numerics.all_finite(batch)
 
     def scaled_loss(params):
-        loss, probes, new_rest = _forward(state, rest, params, batch, loss_fn)
-        return loss.astype(jnp.float32) * scale, (loss, probes, new_rest)
+        loss, probes, new_rest, aux = _forward(state, rest, params, batch, loss_fn, has_aux)
+        return loss.astype(jnp.float32) * scale, (loss, probes, new_rest, aux)
 
-    (_, (loss, probes, new_rest)), sgrads = jax.value_and_grad(scaled_loss, has_aux=True)(
+    (_, (loss, probes, new_rest, aux)), sgrads = jax.value_and_grad(scaled_loss, has_aux=True)(
         state.params
     )
     inv_scale = 1.0 / scale
@@ -175,12 +245,13 @@ def train_step(
     # incident for tier 2.
     streak = guard_lib.skip_streak(state.opt_state)
     overflow = (
-        jnp.isfinite(loss32)
+        ~polluted
+        & jnp.isfinite(loss32)
         & ~grads_finite
         & (scale > cfg.loss_scale_min)
         & (streak < 2 * OVERFLOW_GRACE)
     )
-    incident = ~finite & ~overflow
+    incident = ~finite & ~overflow & ~polluted
     downshift_now = incident | (overflow & (streak >= OVERFLOW_GRACE))
     grad_norm = jnp.where(grads_finite, jnp.sqrt(sgrad_sq) * inv_scale, jnp.inf)
 
@@ -192,23 +263,44 @@ def train_step(
     probes["update_norm"] = state.update_stats
     lr = None if lr_schedule is None else lr_schedule(state.step)
     det, risk = det_lib.update(state.detector, probes, cfg, lr=lr)
-    new_gs = gear_lib.decide(gs, risk.risk, downshift_now, cfg, calm=risk.calm)
+    decided = gear_lib.decide(gs, risk.risk, downshift_now, cfg, calm=risk.calm)
 
-    updates, opt_state = state.tx.update(
-        grads, state.opt_state, state.params, gear=new_gs, finite=finite, grad_norm=grad_norm
+    # The SAFE learning-rate cut follows the gears this step ran with (so the last SAFE step
+    # gets it too), per parameter: only the SAFE site's own parameters slow down.
+    factors = jax.tree_util.tree_map(
+        lambda f: f * state.lr_scale, lr_factors(state.params, gs, cfg.safe_lr_factor)
+    )
+    applied = finite & ~polluted
+    updates, new_opt = state.tx.update(
+        grads,
+        state.opt_state,
+        state.params,
+        gear=decided,
+        finite=applied,
+        grad_norm=grad_norm,
+        lr_factors=factors,
     )
     update_norm = numerics.global_norm(updates)
-    ok = finite & jnp.isfinite(update_norm)
-    params = numerics.select_tree(ok, optax_lib.apply_updates(state.params, updates), state.params)
-    update_stats = probe_lib.scalar_stats(update_norm, jnp.zeros([], jnp.float32), ~ok)
+    # Finite gradients whose update is not finite (an optimizer fault: a moment that
+    # underflowed, a 0/0 in a custom transform) are skipped like a NaN gradient, with the
+    # optimizer state kept, and escalate like any other incident.
+    bad_update = applied & ~jnp.isfinite(update_norm)
+    ok = applied & ~bad_update
+    incident = incident | bad_update
+    new_gs = numerics.select_tree(
+        bad_update, gear_lib.decide(gs, risk.risk, True, cfg, calm=risk.calm), decided
+    )
+    new_gs = numerics.select_tree(polluted, gs, new_gs)  # data faults never move the gears
+    keep = lambda new, old: numerics.select_tree(ok, new, old)
+    params = keep(optax_lib.apply_updates(state.params, updates), state.params)
+    opt_state = numerics.select_tree(polluted | bad_update, state.opt_state, new_opt)
+    new_rest = keep(new_rest, state.rest)
+    det = keep(det, state.detector)
+    update_stats = keep(
+        probe_lib.scalar_stats(update_norm, jnp.zeros([], jnp.float32), ~ok), state.update_stats
+    )
 
     new_step = state.step + 1
-    check = (new_step % cfg.checkpoint_every) == 0
-    state_finite = jax.lax.cond(
-        check,
-        lambda: numerics.all_finite(params) & numerics.all_finite(opt_state),
-        lambda: jnp.asarray(True),
-    )
     new_state = state.replace(
         params=params,
         rest=new_rest,
@@ -217,6 +309,10 @@ def train_step(
         detector=det,
         step=new_step,
         update_stats=update_stats,
+    )
+    check = (new_step % cfg.checkpoint_every) == 0
+    state_finite = jax.lax.cond(
+        check, lambda: state_is_finite(new_state), lambda: jnp.asarray(True)
     )
     metrics = {
         "step": state.step,
@@ -230,6 +326,8 @@ def train_step(
         "finite": finite,
         "overflow": overflow,
         "incident": incident,
+        "polluted": polluted,
+        "bad_update": bad_update,
         "skipped": ~ok,
         "state_finite": state_finite,
         "calm": risk.calm,
@@ -237,7 +335,17 @@ def train_step(
         "probe_risk": dict(zip(det.names, risk.per_probe, strict=True)),
         "site_gears": {k: gear_lib.effective(gs, k) for k in gs.sites},
     }
+    if has_aux:
+        metrics["aux"] = aux
     return new_state, metrics
+
+
+def state_is_finite(state: TrainState) -> jax.Array:
+    """bool[]: parameters, optimizer state, the model's other variables and the detector
+    baselines are all finite (what a checkpoint must be)."""
+    return numerics.all_finite(
+        (state.params, state.opt_state, state.rest, state.detector, state.update_stats)
+    )
 
 
 def _unalias(state: TrainState) -> TrainState:
@@ -262,6 +370,7 @@ def make_train_step(
     donate: bool = False,
     mesh: Any = None,
     rules: Any = None,
+    has_aux: bool = False,
 ) -> Callable:
     """The jitted ``(state, batch) -> (state, metrics)`` step.
 
@@ -280,6 +389,8 @@ def make_train_step(
         jitted with those ``in_shardings``/``out_shardings``; metrics come out replicated. Every
         statistic is a reduction over the global arrays inside the one SPMD program, so each
         device holds the same risk and next gear (see ``nan2safe_jax.sharding``).
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` comes back as ``metrics["aux"]``.
+        Without it a tuple from ``loss_fn`` is a ``ValueError`` that says so.
 
     Returns:
       ``step(state, batch)``. Its metrics hold ``loss``, ``risk``, ``gear`` (the level this step
@@ -289,7 +400,7 @@ def make_train_step(
       give it arguments gathered with ``nan2safe.sharding.to_local``); ``step.rules`` the rules.
     """
     rules = sharding_lib.resolve(mesh, rules)
-    fn = functools.partial(train_step, loss_fn=loss_fn, lr_schedule=lr_schedule)
+    fn = functools.partial(train_step, loss_fn=loss_fn, lr_schedule=lr_schedule, has_aux=has_aux)
     donate_argnums = (0,) if donate else ()
     compiled = jax.jit(fn, donate_argnums=donate_argnums) if jit else fn
     checked: dict[tuple, tuple] = {}
@@ -325,7 +436,7 @@ def make_train_step(
         seen = []
 
         def trace(params, rest):
-            _, probes, _ = _forward(state, rest, params, batch, loss_fn)
+            _, probes, _, _ = _forward(state, rest, params, batch, loss_fn, has_aux)
             seen.append(tuple(probes))
             return 0
 

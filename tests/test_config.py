@@ -17,7 +17,7 @@ def test_defaults_match_spec():
     assert cfg.safe_lr_factor == 0.1
     assert cfg.safe_max_steps == 8
     assert cfg.recovery_window == 64
-    assert cfg.ring_buffer == 16
+    assert cfg.ring_buffer is None and cfg.ring_size == cfg.checkpoint_every
     assert cfg.headroom_limit == 0.5
     assert cfg.trigger_risk == 1.0
     assert 30 <= cfg.lr_cooldown <= 50

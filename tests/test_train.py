@@ -115,27 +115,31 @@ def test_growing_activations_downshift_before_the_first_nonfinite():
     assert first_stable is not None and calm <= first_stable < first_bad
 
 
+def _assert_same(new, old):
+    for a, b in zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(old), strict=True):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            continue  # RNG streams may advance
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_nan_gradient_is_skipped_with_state_unchanged(step, dtype):
+def test_nan_batch_is_skipped_as_data_with_state_unchanged(step, dtype):
     x, y = _data(4, dtype=dtype)
     state = _state(dtype)
     for i in range(3):
         state, m = step(state, (x[i], y[i]))
     bad_x = x[3].at[0, 0].set(jnp.nan)
     new, m = step(state, (bad_x, y[3]))
-    assert bool(m["skipped"]) and not bool(m["finite"])
-    for a, b in zip(
-        jax.tree_util.tree_leaves(new.params), jax.tree_util.tree_leaves(state.params), strict=True
-    ):
-        assert a.dtype == dtype
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    inner_new = jax.tree_util.tree_leaves(new.opt_state.skip.inner)
-    inner_old = jax.tree_util.tree_leaves(state.opt_state.skip.inner)
-    for a, b in zip(inner_new, inner_old, strict=True):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    assert float(new.loss_scale) < float(state.loss_scale)
-    assert np.all(np.isfinite(new.detector.ema)) and np.all(np.isfinite(new.detector.emvar))
-    assert int(new.gear.level) == Gear.STABLE
+    assert bool(m["skipped"]) and bool(m["polluted"]) and not bool(m["incident"])
+    # Data, not a model fault: every variable, the gears and the loss scale stay as they were.
+    _assert_same(
+        (new.params, new.opt_state, new.rest, new.detector),
+        (state.params, state.opt_state, state.rest, state.detector),
+    )
+    _assert_same(new.gear, state.gear)
+    assert float(new.loss_scale) == float(state.loss_scale)
+    assert int(new.step) == int(state.step) + 1
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])

@@ -25,6 +25,9 @@ _EVENT_STYLE = {
     "transient": ("tab:purple", 1.0, "transient (not reproducible)"),
     "polluted_input": ("tab:brown", 1.2, "polluted input"),
     "error": ("black", 1.2, "error"),
+    "damaged": ("tab:pink", 1.4, "damaged state"),
+    "spike": ("tab:olive", 1.4, "loss spike"),
+    "rollback": ("tab:cyan", 1.6, "rollback"),
 }
 _MAX_EVENT_LINES = {"checkpoint": 60}  # per type (default 400); more are thinned evenly
 _MAX_SITE_ROWS = 12

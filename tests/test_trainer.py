@@ -17,6 +17,7 @@ from flax import nnx
 from tiny_models import FragileNet, Net, data, loss_fn, make_fragile
 
 from nan2safe_jax import Config, Gear, Trainer, cli
+from nan2safe_jax import nn as nan2safe_nn
 from nan2safe_jax.report import read_events, read_metrics
 from nan2safe_jax.supervisor import NanIncidentError
 
@@ -90,24 +91,42 @@ def test_fault_is_located_put_in_safe_and_recovers(tmp_path):
 
 def test_nan_in_the_data_is_reported_as_data(tmp_path):
     tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
-    tr.fit(_batches(6, bad={2: "nan"}), steps=6)
+    hist = tr.fit(_batches(6, bad={2: "nan"}), steps=6)
     ev = tr.events
     polluted = [e for e in ev if e["type"] == "polluted_input"]
-    assert polluted and polluted[0]["step"] == 2
-    assert "batch" in polluted[0]["report"]["argument"]
-    assert not any(e["type"] == "locate" for e in ev)
+    assert len(polluted) == 1 and polluted[0]["step"] == 2
+    assert polluted[0]["leaf"] == "[0]" and polluted[0]["rows"] == [0]
+    assert polluted[0]["report"]["diagnosis"] == "polluted input"
+    assert not any(e["type"] in ("locate", "downshift", "rollback") for e in ev)
+    assert hist[2]["skipped"] and hist[2]["polluted"] and not hist[2]["incident"]
+    # No downshift, no loss-scale cut, and the next step does not count as non-finite.
+    assert all(h["gear"] == Gear.FAST for h in hist)
+    assert hist[3]["loss_scale"] == hist[2]["loss_scale"] == hist[0]["loss_scale"]
+    assert hist[3]["nonfinite"] == 0
+    tr.close()
 
 
-def test_nonfinite_state_is_never_checkpointed(tmp_path):
-    tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
-    tr.fit(_batches(5), steps=5)
-    assert tr.checkpoints.steps() == [5]
-    bad_params = jax_tree_nan(tr.state.params)
-    tr.state = tr.state.replace(params=bad_params)
-    tr.cfg = tr.cfg  # the forced state keeps training: every step is non-finite
-    with pytest.raises(NanIncidentError):
-        tr.fit(_batches(20), steps=20)
-    assert tr.checkpoints.steps() == [5]
+def test_damaged_state_is_rolled_back_and_never_trained_on(tmp_path):
+    with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run") as tr:
+        batches = _batches(16)
+        tr.fit(batches[:7], steps=7)
+        assert tr.checkpoints.steps() == [5]
+        # A bit flip in the live state: every weight NaN.
+        tr.state = tr.state.replace(params=jax_tree_nan(tr.state.params))
+        hist = tr.fit(batches[7:], steps=9)
+        ev = tr.events
+        rb = [e for e in ev if e["type"] == "rollback"]
+        assert len(rb) == 1 and rb[0]["to_step"] == 5 and rb[0]["cause"] == "damaged"
+        assert rb[0]["step"] == 7 and rb[0]["missing"] == []
+        assert any(e["type"] == "damaged" for e in ev)
+        # Steps 5 and 6 ran again from the ring buffer, then 7 (the failing batch) onwards.
+        replayed = [h["step"] for h in hist if h.get("replay")]
+        assert replayed == [5, 6, 7]
+        after = hist[hist.index(next(h for h in hist if h.get("replay"))) :]
+        assert all(np.isfinite(h["loss"]) and not h["skipped"] for h in after)
+        assert int(tr.state.step) == tr.step == 16
+        assert tr.checkpoints.steps() == [5, 10, 15]
+        assert not any(e["type"] == "locate" for e in ev)
 
 
 def jax_tree_nan(tree):
@@ -266,3 +285,79 @@ def test_end_to_end_fp16_transformer_fully_masked_row(tmp_path):
     losses = [h["loss"] for h in hist]
     assert np.isfinite(losses[-1]) and losses[-1] < losses[0]
     assert all(np.isfinite(h["loss"]) for h in hist[bad_step + 1 :])
+
+
+def test_loss_spike_rolls_back_before_the_spike_and_skips_its_data(tmp_path):
+    cfg = Config(
+        checkpoint_every=5,
+        min_history=4,
+        window=8,
+        spike_factor=3.0,
+        spike_steps=2,
+        spike_skip_batches=4,
+        spike_lr_factor=0.5,
+        spike_lr_steps=3,
+    )
+    x, y = data(24)
+    batches = [(x[i], y[i] * (100.0 if 12 <= i < 16 else 1.0)) for i in range(24)]
+    with Trainer(Net(rngs=nnx.Rngs(0)), optax.sgd(1e-2), loss_fn, cfg, tmp_path / "r") as tr:
+        hist = tr.fit(batches, steps=24)
+        ev = tr.events
+    spikes = [e for e in ev if e["type"] == "spike"]
+    assert len(spikes) == 1 and spikes[0]["start"] == 12 and spikes[0]["step"] == 13
+    rb = [e for e in ev if e["type"] == "rollback"]
+    assert len(rb) == 1 and rb[0]["cause"] == "loss_spike" and rb[0]["to_step"] == 10
+    assert rb[0]["skipped_batches"] == 4 and rb[0]["lr_factor"] == 0.5
+    assert [h["step"] for h in hist if h.get("replay")] == [10, 11]
+    assert any(e["type"] == "lr_restore" for e in ev)
+    # The spiky batches 12..15 never trained the model after the rollback: 24 batches, 4 gone.
+    after = hist[[i for i, h in enumerate(hist) if h.get("replay")][0] :]
+    assert max(h["loss"] for h in after) < 3.0 * spikes[0]["baseline"]
+    assert tr.step == 20 and tr.spike_rollbacks == 1 and tr.log.closed
+
+
+def test_loss_spike_config_is_validated():
+    assert Config().spike_factor is None  # off by default
+    for field, bad in (
+        ("spike_factor", 1.0),
+        ("spike_steps", 0),
+        ("spike_skip_batches", -1),
+        ("spike_lr_factor", 0.0),
+        ("spike_lr_steps", -1),
+        ("spike_max_rollbacks", -1),
+    ):
+        with pytest.raises(ValueError, match=field):
+            Config(**{field: bad})
+    with pytest.raises(ValueError, match="ring_buffer"):
+        Config(checkpoint_every=20, ring_buffer=10)
+
+
+class _Classifier(nnx.Module):
+    def __init__(self, *, rngs):
+        self.lin = nnx.Linear(16, 8, rngs=rngs)
+        self.ce = nan2safe_nn.CrossEntropy()
+
+    def __call__(self, x, labels):
+        return self.ce(self.lin(x), labels)
+
+
+def test_out_of_range_labels_are_a_polluted_input_not_a_model_fault(tmp_path):
+    rng = np.random.default_rng(0)
+    batches = []
+    for i in range(5):
+        labels = rng.integers(0, 8, 32).astype(np.int32)
+        if i == 2:
+            labels[[3, 7]] = 9  # outside [0, 8): the cross-entropy's gather fills NaN
+        batches.append((jnp.asarray(rng.normal(size=(32, 16)), jnp.float32), labels))
+    ce_loss = lambda model, batch: model(*batch)
+    with Trainer(_Classifier(rngs=nnx.Rngs(0)), optax.adam(1e-3), ce_loss, CFG, tmp_path) as tr:
+        hist = tr.fit(batches, steps=5)
+        ev = tr.events
+    polluted = [e for e in ev if e["type"] == "polluted_input"]
+    assert len(polluted) == 1 and polluted[0]["step"] == 2
+    assert polluted[0]["leaf"] == "[1]" and polluted[0]["rows"] == [3, 7]
+    assert "labels outside [0, 8)" in polluted[0]["report"]["explanation"]
+    assert not any(e["type"] in ("locate", "safe_enter", "downshift") for e in ev)
+    assert hist[2]["skipped"]
+    assert all(h["gear"] == Gear.FAST for h in hist)
+    assert hist[-1]["loss_scale"] == hist[0]["loss_scale"]

@@ -1,0 +1,229 @@
+"""Tier 2 on the host: from a failing step's inputs to a decision.
+
+``decide`` is a function of the step that failed (the state before it, its batch, the state the
+step returned and its host metrics): it returns a ``Decision`` holding one ``replay.Report``
+whatever the outcome, the gears to train on from now, and whether the Trainer must roll back to
+its newest finite checkpoint. It writes nothing and keeps no state; the Trainer logs and acts
+(docs/design.md, "Tier 2").
+
+Outcomes (``Decision.kind``):
+  - ``"polluted_input"``: the batch holds a non-finite float or an out-of-range label. The step
+    was skipped on device; nothing in the model is at risk, so no gear changes.
+  - ``"damaged"``: the state the step started from holds a non-finite value (a flipped bit, a
+    poisoned statistic). Training on it is pointless: roll back.
+  - ``"located"``: the replay found the culprit equation; its site (or the whole model, when the
+    culprit is in no site) goes to SAFE and training carries on from the skipped step.
+  - ``"repeat"``: the culprit's site already ran in SAFE and failed again: SAFE cannot save this
+    state, so roll back with the site in SAFE for a longer stay.
+  - ``"transient"``: the deterministic replay stayed finite (suspect hardware or
+    non-determinism); the step was skipped, nothing else changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from nan2safe_jax import gear as gear_lib
+from nan2safe_jax import replay
+from nan2safe_jax.config import Config
+from nan2safe_jax.gear import Gear, GearState
+from nan2safe_jax.numerics import first_nonfinite
+from nan2safe_jax.replay.report import Report, array_stats, channel_scan
+
+KINDS = ("polluted_input", "damaged", "located", "repeat", "transient")
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What tier 2 concluded about one failing step.
+
+    Attributes:
+      kind: one of ``KINDS``.
+      report: the ``replay.Report`` behind the decision (every outcome has one).
+      gear: the gears to train on from now; None keeps the ones the step produced.
+      restore: roll back to the newest finite checkpoint and replay from it.
+      action: the decision in words (for the event log).
+      enter: fields of the ``safe_enter`` event when a site (or the model) entered SAFE.
+      revert: the step treated the fault as the model's (gears down, loss scale cut) but it
+        was the data's: go back to the gears and optimizer state the step started from.
+    """
+
+    kind: str
+    report: Report
+    gear: GearState | None = None
+    restore: bool = False
+    action: str = ""
+    enter: dict[str, Any] | None = None
+    revert: bool = False
+
+
+def polluted_report(batch) -> Report:
+    """The ``"polluted input"`` report of a batch: the first bad leaf and its bad rows.
+
+    Args:
+      batch: the host (or gathered) batch.
+
+    Returns:
+      A ``Report`` with ``diagnosis == "polluted input"``; ``channels[0]`` lists the bad rows.
+
+    Raises:
+      ValueError: the batch is finite.
+    """
+    where = first_nonfinite(batch)
+    if where is None:
+        raise ValueError("polluted_report: the batch is finite")
+    leaf = _leaf_at(batch, where)
+    a = np.asarray(leaf, np.float64)
+    chans, cut = channel_scan(a)
+    stats = array_stats(leaf)
+    return Report.no_equation(
+        kind="nan" if np.isnan(a).any() else "inf",
+        inputs=[stats],
+        channels=chans,
+        channels_truncated=cut,
+        diagnosis="polluted input",
+        explanation=(
+            f"batch leaf {where} holds {stats['nonfinite']} non-finite value(s) in rows "
+            f"{chans.get(0, [])[:16]}: the data, not the model"
+        ),
+        replays=0,
+        seconds=0.0,
+        input_path=where,
+        output_shape=tuple(np.shape(leaf)),
+    )
+
+
+def out_of_range_labels(batch, size: int) -> tuple[str, list[int]] | None:
+    """The first integer batch leaf holding values outside ``[0, size)``, and its bad rows.
+
+    Returns:
+      ``(key path, rows)`` or None.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        a = np.asarray(leaf)
+        if a.dtype.kind not in "iu" or a.ndim == 0:
+            continue
+        bad = (a < 0) | (a >= size)
+        if bad.any():
+            rows = np.nonzero(bad.reshape(a.shape[0], -1).any(axis=1))[0]
+            return jax.tree_util.keystr(path), [int(r) for r in rows]
+    return None
+
+
+def label_report(batch, where: str, rows: list[int], size: int) -> Report:
+    """The ``"polluted input"`` report of integer labels outside ``[0, size)``."""
+    leaf = _leaf_at(batch, where)
+    return Report.no_equation(
+        kind="label",
+        inputs=[array_stats(leaf)],
+        channels={0: rows},
+        diagnosis="polluted input",
+        explanation=(
+            f"batch leaf {where} holds integer labels outside [0, {size}) in rows {rows[:16]}: "
+            "the gather over them filled NaN (data, not model)"
+        ),
+        replays=0,
+        seconds=0.0,
+        input_path=where,
+        output_shape=tuple(np.shape(leaf)),
+    )
+
+
+def damaged_report(state) -> Report:
+    """The report of a state that already holds a non-finite value before the step runs."""
+    where = first_nonfinite(state)
+    leaf = _leaf_at(state, where) if where is not None else None
+    return Report.no_equation(
+        kind="nan",
+        inputs=[] if leaf is None else [array_stats(leaf)],
+        channels={},
+        diagnosis="polluted input",
+        explanation=(
+            f"the training state holds a non-finite value at {where} before the step runs: "
+            "a damaged state (bit flip, poisoned statistic); roll back to a finite checkpoint"
+        ),
+        replays=0,
+        seconds=0.0,
+        input_path=None if where is None else "state" + where,
+    )
+
+
+def decide(step_fn, before, batch, after, metrics: dict, cfg: Config) -> Decision:
+    """Tier 2: classifies the failing step and decides what to do.
+
+    Args:
+      step_fn: the jitted step without shardings (``make_train_step(...).jitted``): what the
+        replay traces.
+      before: the state the failing step started from (whole arrays: gather it under sharding).
+      batch: its batch (whole arrays).
+      after: the state the step returned (its gears are the base of the new ones).
+      metrics: the step's host metrics (``polluted``: the step saw a non-finite batch).
+      cfg: thresholds (SAFE stays).
+
+    Returns:
+      A ``Decision``.
+    """
+    if metrics.get("polluted"):
+        report = polluted_report(batch)
+        return Decision("polluted_input", report, action="skipped the batch (data, not model)")
+    if first_nonfinite(before) is not None:
+        return Decision(
+            "damaged",
+            damaged_report(before),
+            restore=True,
+            action="the state is damaged: roll back to the newest finite checkpoint",
+        )
+    report = replay.locate_step(step_fn, before, batch)
+    if not report.reproducible:
+        return Decision("transient", report, action="replay stayed finite: step skipped")
+    if report.primitive is None:  # an argument was non-finite after all (e.g. an aux input)
+        return Decision("polluted_input", report, action="skipped the batch (data, not model)")
+    if report.primitive == "gather" and report.inputs:
+        # A gather only copies values: NaN from finite inputs is its out-of-bounds fill, e.g.
+        # a cross-entropy's take_along_axis over labels outside [0, vocab).
+        bad = out_of_range_labels(batch, report.inputs[0]["shape"][-1])
+        if bad is not None:
+            return Decision(
+                "polluted_input",
+                label_report(batch, *bad, report.inputs[0]["shape"][-1]),
+                action="skipped the batch: integer labels out of range (data, not model)",
+                revert=True,
+            )
+    return _downshift(report, before.gear, after.gear, cfg)
+
+
+def _downshift(report: Report, ran: GearState, gs: GearState, cfg: Config) -> Decision:
+    """SAFE for the culprit's site (or the whole model); a repeat in SAFE means roll back."""
+    site = report.site
+    if site is None or site not in gs.sites:
+        repeat = int(ran.level) >= Gear.SAFE
+        new = gear_lib.set_level(gs, Gear.SAFE, cfg)
+        enter = dict(site=None, steps=cfg.safe_max_steps, scope="global")
+        action = "culprit is in no site: whole model -> SAFE"
+        return Decision("repeat" if repeat else "located", report, new, repeat, action, enter)
+    index = None
+    shape = gs.sites[site].shape
+    iters = [p[1] for p in report.eqn_path if isinstance(p, tuple) and p[0] == "iter"]
+    if len(shape) == 1 and len(iters) == 1 and 0 <= iters[0] < shape[0]:
+        index = int(iters[0])
+    ran_site = np.asarray(gear_lib.effective(ran, site))
+    repeat = bool(np.max(ran_site if index is None else ran_site[index]) >= Gear.SAFE)
+    new = gear_lib.set_site(gs, site, Gear.SAFE, index=index, cfg=cfg)
+    left = int(np.max(np.asarray(new.safe_left[site])))
+    where = site if index is None else f"{site}[{index}]"
+    action = f"site {where} -> SAFE for {left} steps"
+    if repeat:
+        action = f"site {where} failed again in SAFE: roll back, {action}"
+    enter = dict(site=site, steps=left, layer=index)
+    return Decision("repeat" if repeat else "located", report, new, repeat, action, enter)
+
+
+def _leaf_at(tree, keystr: str):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if jax.tree_util.keystr(path) == keystr:
+            return leaf
+    raise KeyError(keystr)

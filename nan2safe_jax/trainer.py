@@ -1,0 +1,610 @@
+"""Trainer: the host loop around the jitted step — ring buffer, checkpoints, tier 2, events.
+
+The loop dispatches step t and only then reads the metrics of step t-1 (one transfer), so the
+host never stalls the device between steps (docs/design.md, "Data flow"). When step t-1 turns
+out non-finite, ``incidents.decide`` says what to do; if that changes the state (new gears, or a
+rollback to the newest finite checkpoint), the in-flight step t ran on the old state: its result
+is dropped and its batch queued again behind any batches the rollback replays. Every decision
+lands in ``events.jsonl``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib
+import json
+import logging
+import os
+import pickle
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nan2safe_jax import incidents
+from nan2safe_jax import sharding as sharding_lib
+from nan2safe_jax.checkpoint import Checkpointer
+from nan2safe_jax.config import Config
+from nan2safe_jax.gear import Gear
+from nan2safe_jax.runlog import EventLog
+from nan2safe_jax.spikes import Spike, SpikeWatch
+from nan2safe_jax.train import TrainState, make_train_step
+
+log = logging.getLogger(__name__)
+
+_LOGGED = ("loss", "risk", "loss_scale", "grad_norm", "nonfinite")
+_END = object()  # the batch iterator ran out
+
+
+class NanIncidentError(RuntimeError):
+    """Raised after ``cfg.max_incidents`` non-finite incidents; ``.report`` is the last one,
+    ``.history`` the per-step metrics of the interrupted ``fit`` call."""
+
+    def __init__(self, message: str, report=None):
+        super().__init__(message)
+        self.report = report
+        self.history: list[dict] = []  # the metrics of the interrupted fit call
+
+
+@dataclasses.dataclass
+class _Restart:
+    """Tier 2 (or the spike watch) replaced the state: train on from ``state``."""
+
+    state: TrainState
+    replay: list = dataclasses.field(default_factory=list)  # batches to run first, in order
+    discard: int = 0  # new batches to skip after those (the data that led into a loss spike)
+
+
+@dataclasses.dataclass
+class _Step:
+    """A dispatched step: what the host needs once its metrics are readable."""
+
+    step: int
+    batch: Any
+    before: TrainState
+    after: TrainState
+    metrics: dict
+    replayed: bool  # a batch replayed after a rollback
+
+
+def _check_workdir(workdir) -> Path:
+    if workdir is None:
+        raise ValueError("workdir is required: checkpoints, events and incidents are kept there")
+    path = Path(workdir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"workdir {str(path)!r} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".nan2safe_write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"workdir {str(path)!r} is not writable: {err}") from None
+    return path
+
+
+def _host(metrics: dict) -> dict:
+    """One device->host transfer of a step's metrics, as plain Python values."""
+    m = jax.device_get(metrics)
+    out = {k: float(m[k]) for k in _LOGGED}
+    out.update(
+        step=int(m["step"]),
+        gear=int(m["gear"]),
+        next_gear=int(m["next_gear"]),
+        finite=bool(m["finite"]),
+        overflow=bool(m["overflow"]),
+        incident=bool(m["incident"]),
+        skipped=bool(m["skipped"]),
+        polluted=bool(m["polluted"]),
+        bad_update=bool(m["bad_update"]),
+        state_finite=bool(m["state_finite"]),
+        site_gears={k: np.asarray(v).tolist() for k, v in m["site_gears"].items()},
+        probe_risk={k: float(v) for k, v in m["probe_risk"].items()},
+    )
+    return out
+
+
+def load_factory(spec: str):
+    """Imports ``"package.module:function"`` and returns the function."""
+    if ":" not in spec:
+        raise ValueError(f"factory must look like 'package.module:function', got {spec!r}")
+    mod, fn = spec.split(":", 1)
+    return getattr(importlib.import_module(mod), fn)
+
+
+class Trainer:
+    """The host loop with both tiers, checkpoints and events.
+
+    Use it as a context manager (``with Trainer(...) as t:``) or call ``close()``: it holds the
+    orbax checkpoint manager and the event log open.
+
+    Args:
+      model: an ``nnx.Module``; ``nan2safe.nn`` modules are sites with their own gear.
+      tx: an optax transformation (wrapped in ``nan2safe.optax.guard`` when it is not one).
+      loss_fn: ``loss_fn(model, batch) -> scalar`` (or ``-> (scalar, aux)`` with ``has_aux``).
+      cfg: thresholds (``Config()`` by default).
+      workdir: run directory: ``checkpoints/``, ``events.jsonl``, ``metrics.jsonl``,
+        ``incidents/``. Created when missing; resumed from when it holds checkpoints.
+      lr_schedule: the optimizer's schedule, for the detector's cool-down (optional).
+      factory: ``"module:function"`` returning ``(model, tx, loss_fn, cfg)``; recorded so that
+        ``nan2safe locate WORKDIR --step N`` can rebuild the step offline.
+      resume: resume from the newest good checkpoint in ``workdir`` (default True).
+      progress: show a progress bar with loss, gear and loss scale.
+      mesh: a ``jax.sharding.Mesh``; alone it means ``nan2safe.sharding.data_parallel(mesh)``.
+      rules: ``nan2safe.sharding.data_parallel(...)`` / ``fsdp(...)``. The initial (or resumed)
+        state is placed on the mesh, each batch is split over the data axis, checkpoints restore
+        onto the current mesh (whatever mesh saved them), and tier 2 replays the failing step on
+        one device from gathered arguments; its ``locate`` event gains ``"shards"`` (which data
+        shard, devices and processes hold the bad batch rows). Under ``jax.distributed`` every
+        process runs this loop and passes its own rows of each batch.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` lands in the metrics as ``"aux"``.
+
+    Raises:
+      ValueError: bad workdir or config.
+    """
+
+    def __init__(
+        self,
+        model,
+        tx,
+        loss_fn: Callable,
+        cfg: Config | None = None,
+        workdir: str | os.PathLike | None = None,
+        *,
+        lr_schedule: Callable | None = None,
+        factory: str | None = None,
+        resume: bool = True,
+        progress: bool = False,
+        mesh=None,
+        rules: sharding_lib.Rules | None = None,
+        has_aux: bool = False,
+    ):
+        self.cfg = Config() if cfg is None else cfg
+        if not isinstance(self.cfg, Config):
+            raise ValueError(f"cfg must be a nan2safe.Config, got {type(self.cfg).__name__}")
+        self.workdir = _check_workdir(workdir)
+        self.loss_fn = loss_fn
+        self.progress = progress
+        self.rules = sharding_lib.resolve(mesh, rules)
+        self.state = TrainState.create(model, tx, self.cfg)
+        if self.rules is not None:
+            self.state = sharding_lib.shard_state(self.state, self.rules)
+        self.step_fn = make_train_step(
+            loss_fn, lr_schedule=lr_schedule, rules=self.rules, has_aux=has_aux
+        )
+        self.checkpoints = Checkpointer(self.workdir / "checkpoints")
+        self.log = EventLog(self.workdir)
+        # (step, batch) of the latest finished steps: what a rollback replays.
+        self.ring: collections.deque = collections.deque(maxlen=self.cfg.ring_size)
+        self.incidents = 0
+        self.rollbacks = 0
+        self.spikes = SpikeWatch(self.cfg)
+        self.spike_rollbacks = 0
+        self._lr_left = 0  # steps left at the lowered learning rate after a loss spike
+        self.last_report = None
+        self.step = 0
+        self._last_sites: dict[str, Any] = {}
+        (self.workdir / "run.json").write_text(
+            json.dumps({"factory": factory, "config": dataclasses.asdict(self.cfg)}, indent=1)
+        )
+        if resume:
+            self._resume()
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Waits for pending checkpoints and closes the checkpoint manager and the event log."""
+        if not self.log.closed:
+            self.checkpoints.close()
+            self.log.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _resume(self) -> None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            found = self.checkpoints.restore_latest(self.state)
+        for w in caught:
+            self.log.append("error", self.step, detail=str(w.message))
+            warnings.warn(str(w.message), stacklevel=3)
+        if found is None:
+            return
+        self.state, step = found
+        self.step = int(step)
+        self.log.append(
+            "resume",
+            self.step,
+            from_step=self.step,
+            path=str(self.checkpoints.path(step)),
+            gear=int(self.state.gear.level),
+        )
+
+    @property
+    def events(self) -> list[dict]:
+        """Every event so far, as dicts with a ``"type"`` key."""
+        return self.log.events
+
+    # ------------------------------------------------------------------ loop
+
+    def fit(self, batches: Iterable, steps: int) -> list[dict]:
+        """Trains on ``steps`` new batches (or until ``batches`` runs out).
+
+        A rollback replays the batches since the restored checkpoint from the ring buffer on
+        top of those: each replayed step appears in the history again, with ``"replay": True``.
+
+        Returns:
+          Per-step metric dicts (host values), in the order the steps ran.
+
+        Raises:
+          NanIncidentError: more than ``cfg.max_incidents`` non-finite incidents.
+        """
+        if not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+        history: list[dict] = []
+        bar = _Progress(steps) if self.progress else None
+        source = iter(batches)
+        queued: collections.deque = collections.deque()  # (batch, is_replay) to run first
+        discard = 0  # new batches still to skip after a loss-spike rollback
+        drawn = 0
+        inflight: _Step | None = None
+        try:
+            while True:
+                if queued:
+                    batch, replayed = queued.popleft()
+                elif drawn < steps:
+                    batch, replayed = next(source, _END), False
+                    drawn += batch is not _END
+                else:
+                    batch = _END
+                if batch is not _END and not replayed and discard > 0:
+                    discard -= 1
+                    continue
+                running = None if batch is _END else self._dispatch(batch, replayed)
+                if inflight is not None:
+                    restart = self._finish(inflight, history, bar)
+                    if restart is not None:
+                        # The state was replaced: the step just dispatched ran on the old one.
+                        # Drop it; run the replayed batches, then this one again.
+                        again = [] if running is None else [(batch, replayed)]
+                        queued.extendleft(reversed([*restart.replay, *again]))
+                        discard += restart.discard
+                        self.state, inflight = restart.state, None
+                        self.step = int(restart.state.step)
+                        continue
+                if running is None:
+                    break
+                inflight = running
+        except NanIncidentError as err:
+            err.history = history
+            raise
+        finally:
+            if bar:
+                bar.close()
+            self.checkpoints.wait()
+        return history
+
+    def _dispatch(self, batch, replayed: bool) -> _Step:
+        """Runs the step on the current state (asynchronously) and advances the counter."""
+        before = self.state
+        self.state, metrics = self.step_fn(before, batch)
+        step = _Step(self.step, batch, before, self.state, metrics, replayed)
+        self.step += 1
+        return step
+
+    def _finish(self, done: _Step, history: list, bar) -> _Restart | None:
+        """Everything the host does once step ``done``'s metrics are readable.
+
+        Returns:
+          None to carry on, or a ``_Restart`` when the state was replaced (new gears, a
+          rollback, the learning rate back after a loss spike).
+        """
+        m = _host(done.metrics)
+        m["time"] = time.time()
+        m["safe_sites"] = [k for k, v in m["site_gears"].items() if np.max(v) >= Gear.SAFE]
+        if done.replayed:
+            m["replay"] = True
+        history.append(m)
+        if bar:
+            bar.update(m)
+        if m["skipped"]:
+            self.log.append("skip", done.step, reason=_skip_reason(m), loss=m["loss"])
+        if (done.step + 1) % self.cfg.log_every == 0 or m["incident"] or m["polluted"]:
+            self.log.log_metrics(
+                {k: m[k] for k in m if k not in ("probe_risk",)} | {"step": done.step}
+            )
+        restart = None
+        if m["incident"] or m["polluted"]:
+            restart = self._incident(done, m)
+        self._gear_events(done.step, m)
+        if restart is None:
+            spike = self.spikes.update(done.step, m["loss"], not m["skipped"])
+            restart = None if spike is None else self._spike(done, spike)
+        if restart is None and self._lr_left > 0:
+            self._lr_left -= 1
+            if self._lr_left == 0:
+                self.log.append("lr_restore", done.step, lr_scale=1.0)
+                restart = _Restart(done.after.replace(lr_scale=jnp.ones([], jnp.float32)))
+        if restart is None or not restart.replay and not restart.discard:
+            self.ring.append((done.step, done.batch))
+            if (done.step + 1) % self.cfg.checkpoint_every == 0:
+                state = done.after if restart is None else restart.state
+                self._checkpoint(done.step + 1, state, m["state_finite"])
+        return restart
+
+    def _checkpoint(self, step: int, state, finite: bool) -> None:
+        if self.checkpoints.save(step, state, finite=finite):
+            self.log.append("checkpoint", step, path=str(self.checkpoints.path(step)))
+        else:
+            self.log.append("error", step, detail="state not finite: no checkpoint")
+
+    def _gear_events(self, step_no: int, m: dict) -> None:
+        if m["next_gear"] > m["gear"] and m["next_gear"] == Gear.STABLE:
+            fired = [k for k, v in m["probe_risk"].items() if v > 0]
+            self.log.append(
+                "downshift",
+                step_no,
+                **{"from": m["gear"], "to": m["next_gear"]},
+                risk=m["risk"],
+                probes=fired,
+                cause="nonfinite" if m["incident"] else "risk",
+            )
+        elif m["next_gear"] < m["gear"] and m["next_gear"] == Gear.FAST:
+            self.log.append("recover", step_no, to=m["next_gear"])
+        for name, g in m["site_gears"].items():
+            was = self._last_sites.get(name)
+            if was is not None and np.max(was) >= Gear.SAFE and np.max(g) < Gear.SAFE:
+                self.log.append("safe_exit", step_no, site=name)
+        self._last_sites = m["site_gears"]
+
+    # ------------------------------------------------------------------ tier 2
+
+    def _incident(self, done: _Step, m: dict) -> _Restart | None:
+        """Tier 2 for one failing step: decide, log, act. See ``nan2safe_jax.incidents``."""
+        self.incidents += 1
+        t0 = time.perf_counter()
+        before, batch = done.before, done.batch
+        if self.rules is not None:
+            # Replay on one device: the bisection evaluates single equations, which need whole
+            # arrays; every process gathers and replays alike, so all reach the same decision.
+            before, batch = sharding_lib.to_local((before, batch))
+        decision = incidents.decide(self.step_fn.jitted, before, batch, done.after, m, self.cfg)
+        report = decision.report
+        self.last_report = report
+        rd = report.to_dict()
+        rd["seconds"] = rd.get("seconds") or time.perf_counter() - t0
+        if decision.kind == "polluted_input":
+            rows = report.channels.get(0, [])
+            self.log.append(
+                "polluted_input", done.step, report=rd, leaf=report.input_path, rows=rows
+            )
+        elif decision.kind == "transient":
+            self.log.append(
+                "transient",
+                done.step,
+                detail=getattr(report, "reason", None)
+                or "replay produced no non-finite value: suspect hardware or non-determinism",
+            )
+        elif decision.kind in ("located", "repeat"):
+            self._save_incident(done.step, before, batch)
+            extra = {} if self.rules is None else {"shards": self._shards(report, batch)}
+            self.log.append("locate", done.step, report=rd, action=decision.action, **extra)
+            self.log.append("safe_enter", done.step, **decision.enter)
+            log.info("step %d: %s\n%s", done.step, decision.action, report)
+        else:  # damaged
+            self.log.append("damaged", done.step, report=rd, action=decision.action)
+        if self.incidents > self.cfg.max_incidents:
+            self.log.append("error", done.step, detail=f"{self.incidents} incidents: stopping")
+            raise NanIncidentError(
+                f"{self.incidents} non-finite incidents (max_incidents="
+                f"{self.cfg.max_incidents}); last report:\n{report}",
+                report,
+            )
+        if decision.restore and decision.kind == "repeat" and done.replayed:
+            # The same batch fails in SAFE again on the replay after a rollback: the batch, not
+            # the state, is at fault. Another rollback would loop; its step stays skipped.
+            self.log.append(
+                "error", done.step, detail="fails again after a rollback: batch skipped"
+            )
+        elif decision.restore:
+            restart = self._rollback(done, decision)
+            if restart is not None:
+                return restart
+        if decision.revert:
+            m["next_gear"] = m["gear"]  # no downshift happened, after all
+            before = done.before
+            return _Restart(done.after.replace(gear=before.gear, opt_state=before.opt_state))
+        if decision.gear is not None:
+            return _Restart(done.after.replace(gear=decision.gear))
+        return None
+
+    def _rollback(self, done: _Step, decision) -> _Restart | None:
+        """Restores the newest finite checkpoint at or before step ``done`` with the new gears.
+
+        The step counter goes back to the checkpoint's, and the batches since then (the ring
+        buffer's, then the failing one) are queued again, so step ``n`` always trains on the
+        ``n``-th batch. Batches the ring no longer holds are listed as ``missing`` in the event.
+
+        Returns:
+          The restored state and the batches to replay, or None (logged) when no finite
+          checkpoint exists.
+        """
+        self.checkpoints.wait()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            found = self.checkpoints.restore_latest(self.state, before=done.step)
+        for w in caught:
+            self.log.append("error", done.step, detail=str(w.message))
+        if found is None:
+            self.log.append("error", done.step, detail="no finite checkpoint to roll back to")
+            return None
+        state, ckpt = found
+        if decision.gear is not None:
+            state = state.replace(gear=decision.gear)
+        replay = [(s, b) for s, b in self.ring if s >= ckpt] + [(done.step, done.batch)]
+        have = {s for s, _ in replay}
+        missing = [s for s in range(ckpt, done.step + 1) if s not in have]
+        kept = [(s, b) for s, b in self.ring if s < ckpt]
+        self.ring = collections.deque(kept, maxlen=self.ring.maxlen)
+        self.rollbacks += 1
+        self.log.append(
+            "rollback",
+            done.step,
+            to_step=int(ckpt),
+            path=str(self.checkpoints.path(ckpt)),
+            cause=decision.kind,
+            replayed=len(replay),
+            missing=missing,
+            action=decision.action,
+        )
+        return _Restart(state, [(b, True) for _, b in replay])
+
+    def _spike(self, done: _Step, spike: Spike) -> _Restart | None:
+        """Loss-spike rollback: the checkpoint before the spike, without the data that led in.
+
+        Restores the newest finite checkpoint at or before the spike's first step, replays the
+        ring buffer up to that step, then skips ``cfg.spike_skip_batches`` batches from it (those
+        the ring holds, then new ones) and, with ``cfg.spike_lr_steps``, lowers the learning
+        rate by ``cfg.spike_lr_factor`` for that many steps. At most
+        ``cfg.spike_max_rollbacks`` times; every decision is an event.
+        """
+        cfg = self.cfg
+        seen = dict(start=spike.start, loss=spike.loss, baseline=spike.baseline)
+        if self.spike_rollbacks >= cfg.spike_max_rollbacks:
+            self.log.append("spike", done.step, **seen, action="rollback cap reached: carry on")
+            return None
+        self.checkpoints.wait()
+        found = self.checkpoints.restore_latest(self.state, before=spike.start)
+        if found is None:
+            self.log.append("spike", done.step, **seen, action="no checkpoint before the spike")
+            return None
+        state, ckpt = found
+        replay = [(s, b) for s, b in self.ring if ckpt <= s < spike.start]
+        have = {s for s, _ in replay}
+        missing = [s for s in range(ckpt, spike.start) if s not in have]
+        dropped = len([s for s, _ in self.ring if s >= spike.start]) + 1  # + the current one
+        discard = max(0, cfg.spike_skip_batches - dropped)
+        lowered = cfg.spike_lr_steps > 0 and cfg.spike_lr_factor < 1
+        if lowered:
+            state = state.replace(lr_scale=jnp.asarray(cfg.spike_lr_factor, jnp.float32))
+            self._lr_left = len(replay) + cfg.spike_lr_steps
+        self.ring = collections.deque(
+            [(s, b) for s, b in self.ring if s < ckpt], maxlen=self.ring.maxlen
+        )
+        deleted = self.checkpoints.delete_after(ckpt)
+        self.spikes.reset_streak()
+        self.spike_rollbacks += 1
+        self.rollbacks += 1
+        self.log.append("spike", done.step, **seen, action=f"roll back to step {ckpt}")
+        self.log.append(
+            "rollback",
+            done.step,
+            to_step=int(ckpt),
+            path=str(self.checkpoints.path(ckpt)),
+            cause="loss_spike",
+            replayed=len(replay),
+            missing=missing,
+            skipped_batches=dropped + discard,
+            lr_factor=cfg.spike_lr_factor if lowered else 1.0,
+            lr_steps=cfg.spike_lr_steps if lowered else 0,
+            deleted_checkpoints=deleted,
+            action=f"skip {dropped + discard} batches from step {spike.start}",
+        )
+        return _Restart(state, [(b, True) for _, b in replay], discard=discard)
+
+    def _shards(self, report, batch) -> dict:
+        """Which data shard / devices held the culprit's bad rows (its axis 0 = the batch)."""
+        sizes = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(batch) if np.ndim(x) > 0}
+        rows = report.channels.get(0)
+        shape = report.output_shape
+        if len(sizes) != 1 or not rows or not shape or shape[0] != next(iter(sizes)):
+            return {
+                "shards": None,
+                "note": "the culprit's output has no batch axis 0: rows cannot be attributed",
+            }
+        return sharding_lib.shards_of(rows, shape[0], self.rules.mesh, self.rules.data_axis)
+
+    def _save_incident(self, step_no: int, state, batch) -> None:
+        """Keeps the state before the bad step and its batch for ``nan2safe locate``."""
+        d = self.workdir / "incidents" / f"step_{step_no}"
+        d.mkdir(parents=True, exist_ok=True)
+        host_batch = jax.tree_util.tree_map(np.asarray, batch)
+        with open(d / "batch.pkl", "wb") as f:
+            pickle.dump(host_batch, f)
+        leaves = jax.tree_util.tree_leaves(host_batch)
+        np.savez(d / "batch.npz", **{f"{i:05d}": x for i, x in enumerate(leaves)})
+        ckpt = Checkpointer(d / "state", async_save=False)
+        try:
+            ckpt.save(step_no, state, finite=True)
+        finally:
+            ckpt.close()
+
+
+def _skip_reason(m: dict) -> str:
+    if m["polluted"]:
+        return "polluted_input"
+    if m["overflow"]:
+        return "overflow"
+    if m["bad_update"]:
+        return "update"
+    return "incident" if m["incident"] else "update"
+
+
+def load_incident(workdir, step: int, template):
+    """``(state, batch)`` saved by the trainer for the incident at ``step``.
+
+    Args:
+      workdir: the run directory.
+      step: the step number of the incident (``incidents/step_<step>``).
+      template: a ``TrainState`` of the same model (gives structure and dtypes).
+
+    Raises:
+      FileNotFoundError: no incident was saved for that step.
+    """
+    d = Path(workdir) / "incidents" / f"step_{step}"
+    if not (d / "batch.pkl").exists():
+        have = sorted(p.name for p in (Path(workdir) / "incidents").glob("step_*"))
+        raise FileNotFoundError(f"no incident saved for step {step} in {workdir}; have {have}")
+    with open(d / "batch.pkl", "rb") as f:
+        batch = pickle.load(f)
+    ckpt = Checkpointer(d / "state", async_save=False)
+    try:
+        found = ckpt.restore_latest(template)
+    finally:
+        ckpt.close()
+    if found is None:
+        raise FileNotFoundError(f"the state saved with incident {step} could not be restored")
+    return found[0], batch
+
+
+class _Progress:
+    def __init__(self, total: int):
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._p = Progress(
+            TextColumn("step {task.completed}/{task.total}"),
+            BarColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+        )
+        self._task = self._p.add_task("train", total=total, info="")
+        self._p.start()
+
+    def update(self, m: dict) -> None:
+        info = (
+            f"loss {m['loss']:.4g}  gear {('FAST', 'STABLE', 'SAFE')[m['gear']]}  "
+            f"scale {m['loss_scale']:.3g}"
+        )
+        self._p.update(self._task, advance=1, info=info)
+
+    def close(self) -> None:
+        self._p.stop()
