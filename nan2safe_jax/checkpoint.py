@@ -110,6 +110,10 @@ class Checkpointer:
         if not ok:
             log.warning("step %d: state is not finite; checkpoint refused", step)
             return False
+        if int(step) in self._manager.all_steps():
+            # A step saved on a timeline a rollback abandoned: the new state replaces it.
+            self.wait()
+            self._manager.delete(int(step))
         names = _probe_names(state)
         if names is not None:
             self._probes.mkdir(parents=True, exist_ok=True)

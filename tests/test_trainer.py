@@ -19,6 +19,7 @@ from tiny_models import FragileNet, Net, data, loss_fn, make_fragile
 from nan2safe_jax import Config, Gear, Trainer, cli
 from nan2safe_jax import nn as nan2safe_nn
 from nan2safe_jax.report import read_events, read_metrics
+from nan2safe_jax.site import SiteGear, site_scope
 from nan2safe_jax.supervisor import NanIncidentError
 
 CFG = Config(checkpoint_every=5, safe_max_steps=3, recovery_window=8, min_history=8)
@@ -361,3 +362,32 @@ def test_out_of_range_labels_are_a_polluted_input_not_a_model_fault(tmp_path):
     assert hist[2]["skipped"]
     assert all(h["gear"] == Gear.FAST for h in hist)
     assert hist[-1]["loss_scale"] == hist[0]["loss_scale"]
+
+
+class _AlwaysFragile(nnx.Module):
+    """A site whose row normalisation is 0/0 on a zero row in every gear: SAFE cannot fix it."""
+
+    def __init__(self, *, rngs):
+        self.lin = nnx.Linear(16, 16, rngs=rngs)
+        self.gear = SiteGear(jnp.zeros((), jnp.int32))
+        self.head = nnx.Linear(16, 1, rngs=rngs)
+
+    def __call__(self, x):
+        with site_scope("norm"):
+            h = x / jnp.sum(jnp.abs(x), axis=-1, keepdims=True)
+        return self.head(self.lin(h))
+
+
+def test_a_fault_that_repeats_in_safe_rolls_back_once_and_never_loops(tmp_path):
+    x, y = data(12)
+    batches = [(x[i].at[4].set(0.0) if i in (6, 7) else x[i], y[i]) for i in range(12)]
+    with Trainer(_AlwaysFragile(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path) as tr:
+        hist = tr.fit(batches, steps=12)
+        ev = tr.events
+    loc = [e for e in ev if e["type"] == "locate"]
+    assert loc[0]["step"] == 6 and loc[0]["report"]["site"] is not None
+    rb = [e for e in ev if e["type"] == "rollback"]
+    assert len(rb) == 1 and rb[0]["cause"] == "repeat" and rb[0]["step"] == 7
+    assert rb[0]["to_step"] == 5
+    assert any("fails again after a rollback" in e.get("detail", "") for e in ev)
+    assert tr.step == 12 and np.isfinite(hist[-1]["loss"]) and not hist[-1]["skipped"]
