@@ -671,11 +671,8 @@ class MultiHeadAttention(_Site):
             value = self.value(inputs_v)
             if self.normalize_qk:
                 query, key = self.query_ln(query), self.key_ln(key)
-            decode = _first_from(
-                decode,
-                self.decode,
-                error_msg="MultiHeadAttention: no decode argument in __call__ or the module",
-            )
+            # flax raises when decode is set nowhere; None means False here (a superset)
+            decode = bool(_first_from(decode, self.decode, False, error_msg=""))
             if decode:
                 key, value, mask = self._update_cache(key, value, mask)
             dropout_rng, deterministic = self._dropout_rng(deterministic, rngs)

@@ -103,8 +103,7 @@ def test_embed(dt):
 
 
 @pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("fast_var", [True, False])
-@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("fast_var, masked", [(True, False), (False, True)])
 @pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
 def test_norms(kind, dt, fast_var, masked):
     kw = dict(dtype=dt, use_fast_variance=fast_var)
