@@ -2,9 +2,11 @@
 
 Each test builds the flax.nnx module and ours from the same ``Rngs`` (same parameters, since
 the initialisation order is flax's), runs both on the same inputs and compares. In f32 the
-outputs and gradients are bit-for-bit; in fp16/bf16 the forward is bit-for-bit too (the same
-ops), and the gradient through a *traced* gear (``lax.switch`` + ``custom_vjp``) may differ in
-the last bits, because XLA compiles the FAST backward inside a cond branch: TOL below.
+outputs are bit-for-bit in every dtype (the same ops), and so are the gradients with a concrete
+gear (direct dispatch, plain autodiff). With a *traced* gear (``lax.switch`` + ``custom_vjp``,
+what a jitted train step does) the FAST backward is still JAX's autodiff of the same formula
+but XLA compiles it inside a cond branch, and the gradients may differ in the last bits
+(seen: 1 ulp in f32 for the norms): GRAD_TOL below, relative to the gradient's max.
 """
 
 from __future__ import annotations
@@ -72,10 +74,7 @@ def _compare(ours, theirs, args, dt, call=lambda m, *a: m(*a), flax_jit=True):
     lo, lt = jax.tree.leaves(go), jax.tree.leaves(gt)
     assert len(lo) == len(lt)
     for a, b in zip(lo, lt, strict=True):
-        if dt == F32:
-            _same(a, b)
-        else:
-            _grad_close(a, b, dt)
+        _grad_close(a, b, dt)  # traced gear: the last bits may differ (module docstring)
     # a concrete gear (no jit) dispatches directly: plain autodiff, bit-for-bit in every dtype
     for a, b in zip(
         jax.tree.leaves(gfun(ours, *args)), jax.tree.leaves(gfun(theirs, *args)), strict=True
