@@ -29,13 +29,17 @@ itself on CPU. So the probes summarise per-row quantities the op computes anyway
 row max and denominator, the norm's per-row variance), or a fixed-size sample of rows
 (``sampled_stats``: at most ``PROBE_SAMPLE`` elements, evenly strided rows).
 
-Constructors mirror the ``flax.nnx`` module of the same name (keyword-only ``rngs``, ``dtype``,
-``param_dtype``; same parameter names), so a model can swap them in.
+Drop-in: constructors, call arguments, parameter trees and initialisation order are those of
+the ``flax.nnx`` module of the same name, and at FAST each module computes exactly what flax
+computes (tests/test_nn_flax_compat.py compares against the real classes), so swapping them in
+changes nothing until a gear changes. A model built with ``nnx.eval_shape`` and given only its
+``Param``s runs: gear, knob and probe variables take their defaults on first use.
 
 Fault injection: ``MultiHeadAttention.qk_scale`` and ``Router.logit_scale`` are ``Knob``
 variables (f32 scalars, 1.0 by default, not trained) that multiply the attention logits / the
-router scores. Raising one is the real mechanism of the write-up's overflows (a q·k scale that
-grows until fp16 logits pass 65504), and because a knob is data, changing it never recompiles.
+router scores; at 1.0 they change no bit. Because a knob is data, changing it never recompiles.
+flax's default attention takes even fp16 logits in f32 (``jax.nn.dot_product_attention``), so
+``qk_scale`` overflows fp16 only on flax's explicit path (dropout or ``sow_weights``).
 """
 
 from __future__ import annotations
