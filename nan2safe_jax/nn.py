@@ -29,13 +29,17 @@ itself on CPU. So the probes summarise per-row quantities the op computes anyway
 row max and denominator, the norm's per-row variance), or a fixed-size sample of rows
 (``sampled_stats``: at most ``PROBE_SAMPLE`` elements, evenly strided rows).
 
-Constructors mirror the ``flax.nnx`` module of the same name (keyword-only ``rngs``, ``dtype``,
-``param_dtype``; same parameter names), so a model can swap them in.
+Drop-in: constructors, call arguments, parameter trees and initialisation order are those of
+the ``flax.nnx`` module of the same name, and at FAST each module computes exactly what flax
+computes (tests/test_nn_flax_compat.py compares against the real classes), so swapping them in
+changes nothing until a gear changes. A model built with ``nnx.eval_shape`` and given only its
+``Param``s runs: gear, knob and probe variables take their defaults on first use.
 
 Fault injection: ``MultiHeadAttention.qk_scale`` and ``Router.logit_scale`` are ``Knob``
 variables (f32 scalars, 1.0 by default, not trained) that multiply the attention logits / the
-router scores. Raising one is the real mechanism of the write-up's overflows (a q·k scale that
-grows until fp16 logits pass 65504), and because a knob is data, changing it never recompiles.
+router scores; at 1.0 they change no bit. Because a knob is data, changing it never recompiles.
+flax's default attention takes even fp16 logits in f32 (``jax.nn.dot_product_attention``), so
+``qk_scale`` overflows fp16 only on flax's explicit path (dropout or ``sow_weights``).
 """
 
 from __future__ import annotations
@@ -43,11 +47,15 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn import attention as flax_attention
+from flax.nnx.nn import dtypes as flax_dtypes
+from jax import lax
 
 from nan2safe_jax import ops
 from nan2safe_jax import probe as probe_lib
@@ -60,6 +68,7 @@ __all__ = [
     "Knob",
     "LayerNorm",
     "Linear",
+    "LinearGeneral",
     "MultiHeadAttention",
     "RMSNorm",
     "Router",
@@ -72,6 +81,7 @@ _default_kernel_init = nnx.initializers.lecun_normal()
 _default_embed_init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
 _zeros = nnx.initializers.zeros_init()
 _ones = nnx.initializers.ones_init()
+_promote = flax_dtypes.promote_dtype
 
 
 class Knob(nnx.Variable):
@@ -95,12 +105,37 @@ def _value(v):
     return None if v is None else v[...]
 
 
+def _read(var: nnx.Variable, fill) -> jax.Array:
+    """The variable's value; an abstract one (``nnx.eval_shape``, then only the ``Param``s
+    filled in) first gets its concrete default ``fill``, so an abstractly built model runs."""
+    v = var.get_value()
+    if isinstance(v, jax.ShapeDtypeStruct):
+        var.set_value(jnp.full(v.shape, fill, v.dtype))
+    return var[...]
+
+
+def _write(var: nnx.Variable, value: jax.Array) -> None:
+    """Overwrites a probe (replacing an abstract value whole, see ``_read``)."""
+    if isinstance(var.get_value(), jax.ShapeDtypeStruct):
+        var.set_value(value)
+    else:
+        var[...] = value
+
+
+def _no_sharding(name: str, out_sharding) -> None:
+    if out_sharding is not None:
+        raise ValueError(f"{name}: out_sharding is not supported (explicit sharding mode)")
+
+
 class _Site(nnx.Module):
     """Adds the site attributes: ``gear``, ``site_name``."""
 
     def _init_site(self) -> None:
         self.gear = SiteGear(jnp.zeros((), jnp.int32))
         self.site_name = type(self).__name__
+
+    def _gear(self) -> jax.Array:
+        return _read(self.gear, 0)
 
     @contextlib.contextmanager
     def _scope(self):
@@ -112,9 +147,11 @@ class _Site(nnx.Module):
 class Linear(_Site):
     """``nnx.Linear`` as a site: ``y = x @ kernel + bias`` through ``ops.linear``.
 
-    Same constructor and parameters (``kernel [in, out]``, ``bias [out]``) as ``flax.nnx.Linear``;
-    ``dot_general``, ``promote_dtype`` and ``preferred_element_type`` are accepted for
-    compatibility (the gear decides the accumulation type; a non-default ``dot_general`` raises).
+    Same constructor, parameters (``kernel [in, out]``, ``bias [out]``, same initialisation
+    order) and FAST math as ``flax.nnx.Linear``: operands promoted by ``promote_dtype``, then
+    ``dot_general`` with ``precision`` and ``preferred_element_type``, then ``+ bias``. Every
+    gear returns FAST's dtype (see ``ops.linear``). A custom ``dot_general`` raises (the gears
+    need to own the matmul).
     """
 
     def __init__(
@@ -128,20 +165,19 @@ class Linear(_Site):
         precision: Any = None,
         kernel_init: Any = _default_kernel_init,
         bias_init: Any = _zeros,
-        dot_general: Any = None,
-        promote_dtype: Any = None,
+        dot_general: Any = lax.dot_general,
+        promote_dtype: Any = _promote,
         preferred_element_type: Any = None,
         rngs: nnx.Rngs,
-        kernel_metadata: Mapping[str, Any] = {},  # noqa: B006 - read-only, as in flax
-        bias_metadata: Mapping[str, Any] = {},  # noqa: B006
+        kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
         probe: bool = False,
     ):
-        if dot_general not in (None, jax.lax.dot_general):
+        if dot_general not in (None, lax.dot_general):
             raise ValueError(
                 "nan2safe_jax.nn.Linear computes through ops.linear; a custom dot_general is not "
                 f"supported, got {dot_general!r}"
             )
-        del promote_dtype, preferred_element_type
         self.kernel = nnx.Param(
             kernel_init(rngs.params(), (in_features, out_features), param_dtype),
             **kernel_metadata,
@@ -154,25 +190,107 @@ class Linear(_Site):
             self.bias = nnx.data(None)
         self.in_features, self.out_features, self.use_bias = in_features, out_features, use_bias
         self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
+        self.promote_dtype, self.preferred_element_type = promote_dtype, preferred_element_type
         self._init_site()
         self.probe_output = _new_probe() if probe else nnx.data(None)
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        kernel, bias = self.kernel[...], _value(self.bias)
-        x = jnp.asarray(inputs)
-        x = x.astype(_compute_dtype(x, self.dtype, kernel, bias))
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+        _no_sharding("Linear", out_sharding)
+        inputs, kernel, bias = self.promote_dtype(
+            (jnp.asarray(inputs), self.kernel[...], _value(self.bias)), dtype=self.dtype
+        )
         with self._scope():
-            y = ops.linear(x, kernel, bias, gear=self.gear[...], precision=self.precision)
+            y = ops.linear(
+                inputs,
+                kernel,
+                bias,
+                gear=self._gear(),
+                precision=self.precision,
+                preferred_element_type=self.preferred_element_type,
+            )
             if self.probe_output is not None:
-                self.probe_output[...] = cheap_stats(y)
+                _write(self.probe_output, cheap_stats(y))
         return y
+
+
+def _tuple(x) -> tuple[int, ...]:
+    return tuple(x) if isinstance(x, (tuple, list)) else (int(x),)
+
+
+class LinearGeneral(_Site):
+    """``nnx.LinearGeneral`` over trailing axes, as a site (``MultiHeadAttention``'s
+    projections): ``kernel [*in_features, *out_features]``, ``bias [*out_features]``,
+    initialised flat and reshaped as flax does. ``axis`` must name the last
+    ``len(in_features)`` axes; ``batch_axis`` and a custom ``dot_general`` raise.
+    """
+
+    def __init__(
+        self,
+        in_features: Any,
+        out_features: Any,
+        *,
+        axis: Any = -1,
+        batch_axis: Mapping[Any, Any] = MappingProxyType({}),
+        use_bias: bool = True,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        kernel_init: Any = _default_kernel_init,
+        bias_init: Any = _zeros,
+        precision: Any = None,
+        promote_dtype: Any = _promote,
+        dot_general: Any = None,
+        dot_general_cls: Any = None,
+        preferred_element_type: Any = None,
+        rngs: nnx.Rngs,
+        kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+    ):
+        self.in_features, self.out_features = _tuple(in_features), _tuple(out_features)
+        n = len(self.in_features)
+        if tuple(_tuple(axis)) != tuple(range(-n, 0)):
+            raise ValueError(
+                f"LinearGeneral: axis must be the last {n} axes {tuple(range(-n, 0))}, got {axis}"
+            )
+        if batch_axis or dot_general not in (None, lax.dot_general) or dot_general_cls:
+            raise ValueError("LinearGeneral: batch_axis and a custom dot_general are not supported")
+        flat = (math.prod(self.in_features), math.prod(self.out_features))
+        kernel = kernel_init(rngs.params(), flat, param_dtype)
+        self.kernel = nnx.Param(
+            jnp.reshape(kernel, self.in_features + self.out_features), **kernel_metadata
+        )
+        if use_bias:
+            b = bias_init(rngs.params(), (flat[1],), param_dtype)
+            self.bias = nnx.Param(jnp.reshape(b, self.out_features), **bias_metadata)
+        else:
+            self.bias = nnx.data(None)
+        self.axis, self.use_bias = tuple(range(-n, 0)), use_bias
+        self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
+        self.promote_dtype, self.preferred_element_type = promote_dtype, preferred_element_type
+        self._init_site()
+
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+        _no_sharding("LinearGeneral", out_sharding)
+        inputs, kernel, bias = self.promote_dtype(
+            (jnp.asarray(inputs), self.kernel[...], _value(self.bias)), dtype=self.dtype
+        )
+        with self._scope():
+            return ops.linear(
+                inputs,
+                kernel,
+                bias,
+                gear=self._gear(),
+                precision=self.precision,
+                preferred_element_type=self.preferred_element_type,
+                contract=len(self.in_features),
+            )
 
 
 class Embed(_Site):
     """``nnx.Embed`` as a site (``embedding [num_embeddings, features]``).
 
-    The lookup is exact in every gear (no arithmetic); ``attend`` (tied output logits) goes
-    through ``ops.linear`` and so is gear-switched.
+    The lookup is flax's in every gear (no arithmetic): ``jnp.take``, so an index past the
+    table gives NaN, and with ``num_embeddings == 1`` the single row is broadcast whatever the
+    index. ``attend`` (tied output logits) goes through ``ops.linear`` and so is gear-switched.
     """
 
     def __init__(
@@ -183,40 +301,42 @@ class Embed(_Site):
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         embedding_init: Any = _default_embed_init,
-        promote_dtype: Any = None,
+        promote_dtype: Any = _promote,
         rngs: nnx.Rngs,
-        embedding_metadata: Mapping[str, Any] = {},  # noqa: B006
+        embedding_metadata: Mapping[str, Any] = MappingProxyType({}),
         probe: bool = False,
     ):
-        del promote_dtype
         self.embedding = nnx.Param(
             embedding_init(rngs.params(), (num_embeddings, features), param_dtype),
             **embedding_metadata,
         )
         self.num_embeddings, self.features = num_embeddings, features
-        self.dtype, self.param_dtype = dtype, param_dtype
+        self.dtype = dtype or self.embedding.dtype
+        self.param_dtype, self.promote_dtype = param_dtype, promote_dtype
         self._init_site()
         self.probe_output = _new_probe() if probe else nnx.data(None)
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+        _no_sharding("Embed", out_sharding)
         inputs = jnp.asarray(inputs)
         if not jnp.issubdtype(inputs.dtype, jnp.integer):
             raise ValueError(f"Embed: inputs must be integers, got {inputs.dtype}")
-        emb = self.embedding[...]
-        dt = jnp.dtype(self.dtype) if self.dtype is not None else emb.dtype
+        (emb,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
         with self._scope():
-            y = jnp.take(emb, inputs, axis=0).astype(dt)
+            if self.num_embeddings == 1:
+                y = jnp.broadcast_to(emb, inputs.shape + (self.features,))
+            else:
+                y = jnp.take(emb, inputs, axis=0)
             if self.probe_output is not None:
-                self.probe_output[...] = cheap_stats(y)
+                _write(self.probe_output, cheap_stats(y))
         return y
 
-    def attend(self, query: jax.Array) -> jax.Array:
+    def attend(self, query: jax.Array, out_sharding: Any = None) -> jax.Array:
         """``query @ embedding.T``: logits over the embeddings (gear-switched)."""
-        emb = self.embedding[...]
-        q = jnp.asarray(query)
-        q = q.astype(_compute_dtype(q, self.dtype, emb))
+        _no_sharding("Embed.attend", out_sharding)
+        q, emb = self.promote_dtype((jnp.asarray(query), self.embedding[...]), dtype=self.dtype)
         with self._scope():
-            return ops.linear(q, emb.T, None, gear=self.gear[...])
+            return ops.linear(q, emb.T, None, gear=self._gear())
 
 
 def _check_last_axis(reduction_axes, feature_axes, name):
@@ -228,8 +348,9 @@ def _check_last_axis(reduction_axes, feature_axes, name):
 class LayerNorm(_Site):
     """``nnx.LayerNorm`` (last axis) as a site, through ``ops.layer_norm``.
 
-    Probes: ``probe_output`` (``sampled_stats`` of the output) and ``probe_inv_std`` (stats of
-    every row's ``1/sqrt(var + eps)``: its max_abs rises as the smallest variance collapses).
+    FAST is flax's math (statistics in f32, ``use_fast_variance``, ``mask=``). Probes:
+    ``probe_output`` (``sampled_stats`` of the output) and ``probe_inv_std`` (stats of every
+    row's ``1/sqrt(var + eps)``: its max_abs rises as the smallest variance collapses).
     """
 
     def __init__(
@@ -248,15 +369,15 @@ class LayerNorm(_Site):
         axis_name: str | None = None,
         axis_index_groups: Any = None,
         use_fast_variance: bool = True,
-        promote_dtype: Any = None,
+        promote_dtype: Any = _promote,
         rngs: nnx.Rngs,
-        bias_metadata: Mapping[str, Any] = {},  # noqa: B006
-        scale_metadata: Mapping[str, Any] = {},  # noqa: B006
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        scale_metadata: Mapping[str, Any] = MappingProxyType({}),
     ):
         _check_last_axis(reduction_axes, feature_axes, "LayerNorm")
         if axis_name is not None:
             raise ValueError("LayerNorm: cross-device statistics (axis_name) are not supported")
-        del axis_index_groups, use_fast_variance, promote_dtype
+        del axis_index_groups
         shape = (num_features,)
         self.scale = (
             nnx.Param(scale_init(rngs.params(), shape, param_dtype), **scale_metadata)
@@ -271,20 +392,29 @@ class LayerNorm(_Site):
         self.num_features, self.epsilon = num_features, epsilon
         self.dtype, self.param_dtype = dtype, param_dtype
         self.use_bias, self.use_scale = use_bias, use_scale
+        self.reduction_axes, self.feature_axes = reduction_axes, feature_axes
+        self.use_fast_variance, self.promote_dtype = use_fast_variance, promote_dtype
         self._init_site()
         self.probe_output = _new_probe()
         self.probe_inv_std = _new_probe()
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        scale, bias = _value(self.scale), _value(self.bias)
-        x = jnp.asarray(x)
-        x = x.astype(_compute_dtype(x, self.dtype, scale, bias))
+    def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
+        x, scale, bias = self.promote_dtype(
+            (jnp.asarray(x), _value(self.scale), _value(self.bias)), dtype=self.dtype
+        )
         with self._scope():
             y, st = ops.layer_norm(
-                x, scale, bias, self.epsilon, gear=self.gear[...], return_stats=True
+                x,
+                scale,
+                bias,
+                self.epsilon,
+                gear=self._gear(),
+                mask=mask,
+                use_fast_variance=self.use_fast_variance,
+                return_stats=True,
             )
-            self.probe_output[...] = sampled_stats(y)
-            self.probe_inv_std[...] = st["inv_std"]
+            _write(self.probe_output, sampled_stats(y))
+            _write(self.probe_inv_std, st["inv_std"])
         return y
 
 
@@ -305,14 +435,14 @@ class RMSNorm(_Site):
         axis_name: str | None = None,
         axis_index_groups: Any = None,
         use_fast_variance: bool = True,
-        promote_dtype: Any = None,
+        promote_dtype: Any = _promote,
         rngs: nnx.Rngs,
-        scale_metadata: Mapping[str, Any] = {},  # noqa: B006
+        scale_metadata: Mapping[str, Any] = MappingProxyType({}),
     ):
         _check_last_axis(reduction_axes, feature_axes, "RMSNorm")
         if axis_name is not None:
             raise ValueError("RMSNorm: cross-device statistics (axis_name) are not supported")
-        del axis_index_groups, use_fast_variance, promote_dtype
+        del axis_index_groups
         self.scale = (
             nnx.Param(scale_init(rngs.params(), (num_features,), param_dtype), **scale_metadata)
             if use_scale
@@ -320,33 +450,54 @@ class RMSNorm(_Site):
         )
         self.num_features, self.epsilon = num_features, epsilon
         self.dtype, self.param_dtype, self.use_scale = dtype, param_dtype, use_scale
+        self.reduction_axes, self.feature_axes = reduction_axes, feature_axes
+        self.use_fast_variance, self.promote_dtype = use_fast_variance, promote_dtype
         self._init_site()
         self.probe_output = _new_probe()
         self.probe_inv_std = _new_probe()
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        scale = _value(self.scale)
-        x = jnp.asarray(x)
-        x = x.astype(_compute_dtype(x, self.dtype, scale))
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        x, scale = self.promote_dtype((jnp.asarray(x), _value(self.scale)), dtype=self.dtype)
         with self._scope():
-            y, st = ops.rms_norm(x, scale, self.epsilon, gear=self.gear[...], return_stats=True)
-            self.probe_output[...] = sampled_stats(y)
-            self.probe_inv_std[...] = st["inv_std"]
+            y, st = ops.rms_norm(
+                x,
+                scale,
+                self.epsilon,
+                gear=self._gear(),
+                mask=mask,
+                use_fast_variance=self.use_fast_variance,
+                return_stats=True,
+            )
+            _write(self.probe_output, sampled_stats(y))
+            _write(self.probe_inv_std, st["inv_std"])
         return y
+
+
+def _first_from(*args, error_msg: str):
+    for a in args:
+        if a is not None:
+            return a
+    raise ValueError(error_msg)
 
 
 class MultiHeadAttention(_Site):
     """``nnx.MultiHeadAttention`` as a site; the core runs through ``ops.attention``.
 
-    The constructor and ``__call__`` accept the ``flax.nnx`` arguments. Differences: the
-    projections ``query``/``key``/``value``/``out`` are ``nan2safe_jax.nn.Linear`` sites with
-    2-D kernels (``[in, heads*head_dim]``, ``[heads*head_dim, out]``) where flax's
-    ``LinearGeneral`` has 3-D ones; ``decode``, attention dropout (``dropout_rate > 0``), grouped
-    KV heads and a custom ``attention_fn`` are not supported (they raise).
+    Constructor, call arguments, parameter tree (``query``/``key``/``value`` kernels
+    ``[in, heads, head_dim]`` with biases ``[heads, head_dim]``, ``out`` kernel
+    ``[heads, head_dim, out]``), initialisation order, KV cache (``decode``, ``init_cache``,
+    ``cached_key``/``cached_value``/``cache_index``), dropout (``rngs``, ``keep_rngs``),
+    grouped-query attention (``num_kv_heads``), ``sow_weights`` and the metadata arguments
+    are flax's, so a flax state loads into it and back. At FAST it computes what flax does:
+    ``jax.nn.dot_product_attention``'s math, or flax's explicit attention weights when
+    dropout is configured or ``sow_weights`` is set (see ``ops.attention``). Its projections
+    are ``LinearGeneral`` sites and ``query_ln``/``key_ln`` are ``LayerNorm`` sites.
+    Differences: a custom ``attention_fn`` or ``dot_general`` raises (the gears own the core),
+    and ``out_sharding``/``qkv_sharding`` are not supported.
 
-    Probes: ``probe_logits`` (stats of every query row's max scaled q·k logit) and
-    ``probe_probs`` (stats of every row's max probability); see ``ops.attention``. Knob:
-    ``qk_scale`` multiplies the logits.
+    Probes: ``probe_logits`` (stats of every query row's max attended logit) and
+    ``probe_probs`` (stats of every row's max probability). Knob: ``qk_scale`` multiplies the
+    logits (1.0 changes no bit).
     """
 
     def __init__(
@@ -372,68 +523,99 @@ class MultiHeadAttention(_Site):
         attention_fn: Any = None,
         decode: bool | None = None,
         normalize_qk: bool = False,
+        qkv_promote_dtype: Any = _promote,
+        out_promote_dtype: Any = _promote,
+        ln_promote_dtype: Any = _promote,
+        qkv_dot_general: Any = None,
+        out_dot_general: Any = None,
+        qkv_dot_general_cls: Any = None,
+        out_dot_general_cls: Any = None,
         rngs: nnx.Rngs,
         keep_rngs: bool = True,
-        **unused: Any,
+        kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        out_bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        query_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+        key_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
     ):
-        del broadcast_dropout, keep_rngs, unused
-        qkv_features = in_features if qkv_features is None else qkv_features
-        out_features = in_features if out_features is None else out_features
-        in_kv_features = in_features if in_kv_features is None else in_kv_features
-        if qkv_features % num_heads:
-            raise ValueError(
-                f"MultiHeadAttention: qkv_features ({qkv_features}) must be divisible by "
-                f"num_heads ({num_heads})"
-            )
-        if num_kv_heads not in (None, num_heads):
-            raise ValueError(
-                f"MultiHeadAttention: grouped KV heads are not supported, got num_kv_heads="
-                f"{num_kv_heads} with num_heads={num_heads}"
-            )
-        if dropout_rate:
-            raise ValueError(
-                f"MultiHeadAttention: attention dropout is not supported, got dropout_rate="
-                f"{dropout_rate}; use 0.0"
-            )
-        if decode:
-            raise ValueError("MultiHeadAttention: decode=True (KV cache) is not supported")
-        if attention_fn is not None:
+        if attention_fn not in (None, flax_attention.dot_product_attention):
             raise ValueError(
                 "MultiHeadAttention: the attention core is ops.attention (gear-switched); a "
                 "custom attention_fn is not supported"
             )
         self.num_heads, self.in_features = num_heads, in_features
-        self.qkv_features, self.out_features = qkv_features, out_features
-        self.head_dim = qkv_features // num_heads
+        self.qkv_features = in_features if qkv_features is None else qkv_features
+        self.out_features = in_features if out_features is None else out_features
+        self.in_kv_features = in_features if in_kv_features is None else in_kv_features
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"MultiHeadAttention: num_heads ({num_heads}) must be divisible by "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.qkv_features % num_heads:
+            raise ValueError(
+                f"MultiHeadAttention: qkv_features ({self.qkv_features}) must be divisible by "
+                f"num_heads ({num_heads})"
+            )
         self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
-        self.deterministic, self.decode, self.normalize_qk = deterministic, False, normalize_qk
+        self.broadcast_dropout, self.dropout_rate = broadcast_dropout, dropout_rate
+        self.deterministic, self.use_bias = deterministic, use_bias
+        self.decode, self.normalize_qk = decode, normalize_qk
+        self.head_dim = self.qkv_features // num_heads
         lin = dict(
             dtype=dtype,
             param_dtype=param_dtype,
-            precision=precision,
+            kernel_init=kernel_init,
             bias_init=bias_init,
             use_bias=use_bias,
+            precision=precision,
+            promote_dtype=qkv_promote_dtype,
+            dot_general=qkv_dot_general,
+            dot_general_cls=qkv_dot_general_cls,
+            kernel_metadata=kernel_metadata,
+            bias_metadata=bias_metadata,
             rngs=rngs,
         )
-        self.query = Linear(in_features, qkv_features, kernel_init=kernel_init, **lin)
-        self.key = Linear(in_kv_features, qkv_features, kernel_init=kernel_init, **lin)
-        self.value = Linear(in_kv_features, qkv_features, kernel_init=kernel_init, **lin)
-        self.out = Linear(
-            qkv_features,
-            out_features,
-            **{
-                **lin,
-                "kernel_init": out_kernel_init or kernel_init,
-                "bias_init": out_bias_init or bias_init,
-            },
-        )
+        kv_out = (self.num_kv_heads, self.head_dim)
+        self.query = LinearGeneral(in_features, (num_heads, self.head_dim), **lin)
+        self.key = LinearGeneral(self.in_kv_features, kv_out, **lin)
+        self.value = LinearGeneral(self.in_kv_features, kv_out, **lin)
         if normalize_qk:
-            ln = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-            self.query_ln = LayerNorm(self.head_dim, **ln)
-            self.key_ln = LayerNorm(self.head_dim, **ln)
+            ln = dict(
+                use_bias=False,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                promote_dtype=ln_promote_dtype,
+                rngs=rngs,
+            )
+            self.query_ln = LayerNorm(self.head_dim, scale_metadata=query_ln_scale_metadata, **ln)
+            self.key_ln = LayerNorm(self.head_dim, scale_metadata=key_ln_scale_metadata, **ln)
         else:
             self.query_ln = nnx.data(None)
             self.key_ln = nnx.data(None)
+        self.out = LinearGeneral(
+            (num_heads, self.head_dim),
+            self.out_features,
+            axis=(-2, -1),
+            kernel_init=out_kernel_init or kernel_init,
+            bias_init=out_bias_init or bias_init,
+            use_bias=use_bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            precision=precision,
+            promote_dtype=out_promote_dtype,
+            dot_general=out_dot_general,
+            dot_general_cls=out_dot_general_cls,
+            rngs=rngs,
+            kernel_metadata=out_kernel_metadata or kernel_metadata,
+            bias_metadata=out_bias_metadata or bias_metadata,
+        )
+        self.rngs = rngs.dropout.fork() if keep_rngs and dropout_rate > 0 else None
+        self.cached_key = nnx.data(None)
+        self.cached_value = nnx.data(None)
+        self.cache_index = nnx.data(None)
         self._init_site()
         self.qk_scale = Knob(jnp.ones((), jnp.float32))
         self.probe_logits = _new_probe()
@@ -451,55 +633,192 @@ class MultiHeadAttention(_Site):
         sow_weights: bool = False,
         decode: bool | None = None,
         is_causal: bool = False,
-        **unused: Any,
+        out_sharding: Any = None,
+        qkv_sharding: Any = None,
     ) -> jax.Array:
-        """Self-attention when only ``inputs_q`` is given (flax's rule for missing k/v).
+        """flax's ``MultiHeadAttention.__call__`` (same arguments, same rules).
 
         Args:
-          inputs_q: ``[batch, q_len, features]`` (or ``[q_len, features]``).
-          inputs_k, inputs_v: ``[batch, kv_len, features]``; default ``inputs_q`` / ``inputs_k``.
-          mask: bool, broadcastable to ``[batch, num_heads, q_len, kv_len]``; True = attend.
-          is_causal: also apply a causal mask (built inside the op, never materialised).
+          inputs_q: ``[batch..., q_len, features]``.
+          inputs_k, inputs_v: default ``inputs_q`` / ``inputs_k`` (self-attention).
+          mask: broadcastable to ``[batch..., num_heads, q_len, kv_len]``; nonzero = attend.
+          deterministic, rngs: dropout control (call arguments take precedence).
+          sow_weights: sow the attention weights into ``nnx.Intermediate``.
+          decode: use the KV cache (``init_cache`` first; one token per call).
+          is_causal: overlay ``tril(ones(q_len, kv_len))``.
+
+        Returns:
+          ``[batch..., q_len, out_features]``.
         """
-        del deterministic, rngs, sow_weights, unused
-        if decode:
-            raise ValueError("MultiHeadAttention: decode=True (KV cache) is not supported")
+        _no_sharding("MultiHeadAttention", out_sharding)
+        _no_sharding("MultiHeadAttention", qkv_sharding)
+        if rngs is None:
+            rngs = self.rngs
+        elif isinstance(rngs, nnx.Rngs):
+            rngs = rngs.dropout
         if inputs_k is None:
             if inputs_v is not None:
-                raise ValueError("MultiHeadAttention: inputs_v given without inputs_k")
+                raise ValueError(
+                    "MultiHeadAttention: inputs_k cannot be None if inputs_v is not None"
+                )
             inputs_k = inputs_q
         if inputs_v is None:
             inputs_v = inputs_k
-        unbatched = jnp.ndim(inputs_q) == 2
-        if unbatched:
-            inputs_q, inputs_k, inputs_v = (a[None] for a in (inputs_q, inputs_k, inputs_v))
-            if mask is not None and jnp.ndim(mask) == 4:
-                raise ValueError("MultiHeadAttention: a 4-D mask needs batched inputs")
-        h, d = self.num_heads, self.head_dim
-        with self._scope():
-            q = self.query(inputs_q)
-            k = self.key(inputs_k)
-            v = self.value(inputs_v)
-            q = q.reshape(q.shape[:-1] + (h, d))
-            k = k.reshape(k.shape[:-1] + (h, d))
-            v = v.reshape(v.shape[:-1] + (h, d))
-            if self.normalize_qk:
-                q, k = self.query_ln(q), self.key_ln(k)
-            scale = self.qk_scale[...].astype(jnp.float32) / math.sqrt(d)
-            y, st = ops.attention(
-                q,
-                k,
-                v,
-                mask=mask,
-                causal=is_causal,
-                gear=self.gear[...],
-                scale=scale,
-                return_stats=True,
+        if inputs_q.shape[-1] != self.in_features:
+            raise ValueError(
+                f"MultiHeadAttention: incompatible input dimension, got {inputs_q.shape[-1]} "
+                f"but the module expects {self.in_features}"
             )
-            self.probe_logits[...] = st["logits"]
-            self.probe_probs[...] = st["probs"]
-            out = self.out(y.reshape(y.shape[:-2] + (h * d,)))
-        return out[0] if unbatched else out
+        with self._scope():
+            query = self.query(inputs_q)
+            key = self.key(inputs_k)
+            value = self.value(inputs_v)
+            if self.normalize_qk:
+                query, key = self.query_ln(query), self.key_ln(key)
+            # flax raises when decode is set nowhere; None means False here (a superset)
+            decode = bool(_first_from(decode, self.decode, False, error_msg=""))
+            if decode:
+                key, value, mask = self._update_cache(key, value, mask)
+            dropout_rng, deterministic = self._dropout_rng(deterministic, rngs)
+            y = self._attend(
+                query, key, value, mask, dropout_rng, deterministic, sow_weights, is_causal
+            )
+            return self.out(y)
+
+    def _update_cache(self, key, value, mask):
+        if self.cached_key is None or self.cached_value is None or self.cache_index is None:
+            raise ValueError("Autoregressive cache not initialized, call ``init_cache`` first.")
+        *batch_dims, max_length, num_kv_heads, depth = self.cached_key.shape
+        expected = tuple(batch_dims) + (1, num_kv_heads, depth)
+        if expected != key.shape:
+            raise ValueError(
+                f"Autoregressive cache shape error, expected key shape {expected} instead got "
+                f"{key.shape}."
+            )
+        cur = self.cache_index[...]
+        zero = jnp.array(0, dtype=lax.dtype(cur.dtype))
+        idx = (zero,) * len(batch_dims) + (cur, zero, zero)
+        key = lax.dynamic_update_slice(self.cached_key[...], key, idx)
+        value = lax.dynamic_update_slice(self.cached_value[...], value, idx)
+        self.cached_key[...] = key
+        self.cached_value[...] = value
+        self.cache_index[...] += 1
+        seen = jnp.broadcast_to(
+            jnp.arange(max_length) <= cur, tuple(batch_dims) + (1, 1, max_length)
+        )
+        return key, value, nnx.combine_masks(mask, seen)
+
+    def _dropout_rng(self, deterministic, rngs):
+        if self.dropout_rate > 0.0:
+            deterministic = _first_from(
+                deterministic,
+                self.deterministic,
+                error_msg="MultiHeadAttention: no deterministic argument in __call__ or the "
+                "module (needed with dropout_rate > 0)",
+            )
+            if not deterministic:
+                if rngs is None:
+                    raise ValueError(
+                        "'rngs' must be provided to __call__ method if MultiHeadAttention "
+                        "instance is defined with keep_rngs=False."
+                    )
+                return rngs(), deterministic
+            return None, deterministic
+        return None, True
+
+    def _attend(self, query, key, value, mask, dropout_rng, deterministic, sow_weights, is_causal):
+        query, key, value = self.qkv_promote(query, key, value)
+        dtype = query.dtype
+        batch = query.shape[:-3]
+        q_len, kv_len = query.shape[-3], key.shape[-3]
+        flat = lambda a: jnp.reshape(a, (math.prod(batch),) + a.shape[-3:])  # noqa: E731
+        q4, k4, v4 = flat(query), flat(key), flat(value)
+        m4 = None
+        if mask is not None:
+            nb = len(batch)
+            mask = jnp.asarray(mask)
+            if mask.ndim > nb + 3:
+                raise ValueError(
+                    f"MultiHeadAttention: mask {mask.shape} does not broadcast to "
+                    f"[batch..., heads, q_len, kv_len] = {batch + (self.num_heads, q_len, kv_len)}"
+                )
+            mask = jnp.reshape(mask, (1,) * (nb + 3 - mask.ndim) + mask.shape)
+            if math.prod(mask.shape[:nb]) != 1:
+                mask = jnp.broadcast_to(mask, batch + mask.shape[nb:])
+            m4 = jnp.reshape(mask, (-1,) + mask.shape[nb:])
+        explicit = self.dropout_rate != 0.0 or sow_weights
+        mult = None
+        if not deterministic and self.dropout_rate > 0.0:
+            keep_prob = 1.0 - self.dropout_rate
+            ndim_base = key.ndim
+            if self.broadcast_dropout:
+                shape = (1,) * (ndim_base - 2) + (q_len, kv_len)
+            else:
+                shape = batch + (self.num_heads, q_len, kv_len)
+            keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+            mult = keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype)
+            mult = jnp.reshape(mult, (-1,) + mult.shape[-3:])
+        res = ops.attention(
+            q4,
+            k4,
+            v4,
+            mask=m4,
+            causal=is_causal,
+            gear=self._gear(),
+            logit_scale=_read(self.qk_scale, 1.0),
+            explicit=explicit,
+            dropout_multiplier=mult,
+            precision=self.precision,
+            return_stats=True,
+            return_weights=sow_weights,
+        )
+        y, st = res[0], res[1]
+        _write(self.probe_logits, st["logits"])
+        _write(self.probe_probs, st["probs"])
+        if sow_weights:
+            w = res[2]
+            self.sow(nnx.Intermediate, "attention_weights", jnp.reshape(w, batch + w.shape[1:]))
+        return jnp.reshape(y, batch + y.shape[1:])
+
+    def qkv_promote(self, query, key, value):
+        """flax's ``promote_dtype((query, key, value), dtype=self.dtype)`` of the core."""
+        return _promote((query, key, value), dtype=self.dtype)
+
+    def init_cache(self, input_shape: Any, dtype: Any = jnp.float32) -> None:
+        """Creates the KV cache for ``decode=True`` (flax's ``init_cache``): one token per call.
+
+        Args:
+          input_shape: ``[batch..., max_length, features]``.
+          dtype: the cache's dtype.
+        """
+        cache_shape = (*input_shape[:-1], self.num_kv_heads, self.head_dim)
+        self.cached_key = nnx.Cache(jnp.zeros(cache_shape, dtype))
+        self.cached_value = nnx.Cache(jnp.zeros(cache_shape, dtype))
+        self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))
+
+    def set_view(
+        self,
+        deterministic: bool | None = None,
+        decode: bool | None = None,
+        batch_size: Any = None,
+        max_length: int | None = None,
+    ) -> None:
+        """flax's ``set_view``: sets ``deterministic`` / ``decode``; creates the cache if needed."""
+        if deterministic is not None:
+            self.deterministic = deterministic
+        if decode is not None:
+            self.decode = decode
+            if self.cached_key is None or self.cached_value is None or self.cache_index is None:
+                if batch_size is None:
+                    raise TypeError("'batch_size' must be provided when initializing cache.")
+                if max_length is None:
+                    raise TypeError("'max_length' must be provided when initializing cache.")
+                if isinstance(batch_size, int):
+                    batch_size = (batch_size,)
+                shape = (*batch_size, max_length, self.num_kv_heads, self.head_dim)
+                self.cached_key = nnx.Cache(jnp.zeros(shape, self.dtype))
+                self.cached_value = nnx.Cache(jnp.zeros(shape, self.dtype))
+                self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))
 
 
 class Router(_Site):
@@ -538,9 +857,9 @@ class Router(_Site):
         x = jnp.asarray(x)
         x = x.astype(_compute_dtype(x, self.dtype, kernel))
         with self._scope():
-            kernel = kernel * self.logit_scale[...].astype(kernel.dtype)
-            r, st = ops.router(x, kernel, self.top_k, gear=self.gear[...], return_stats=True)
-            self.probe_logits[...] = st["logits"]
+            kernel = kernel * _read(self.logit_scale, 1.0).astype(kernel.dtype)
+            r, st = ops.router(x, kernel, self.top_k, gear=self._gear(), return_stats=True)
+            _write(self.probe_logits, st["logits"])
         return r
 
 
@@ -560,5 +879,5 @@ class CrossEntropy(_Site):
         self, logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None
     ) -> jax.Array:
         with self._scope():
-            self.probe_logits[...] = sampled_stats(logits)
-            return ops.cross_entropy(logits, labels, self.gear[...], mask=mask)
+            _write(self.probe_logits, sampled_stats(logits))
+            return ops.cross_entropy(logits, labels, self._gear(), mask=mask)

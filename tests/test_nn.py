@@ -129,23 +129,18 @@ def test_fast_matches_flax(kind):
     }[kind]
     ref = getattr(nnx, kind)(*args, rngs=nnx.Rngs(0))
     ours = getattr(nn, kind)(*args, rngs=nnx.Rngs(1))
+    # same parameter tree as flax (MultiHeadAttention too: [in, h, d] / [h, d, out] kernels)
+    _, ref_params = nnx.split(ref, nnx.Param)
+    nnx.update(ours, jax.tree.map(lambda a: a + 0.1, ref_params))
+    nnx.update(ref, jax.tree.map(lambda a: a + 0.1, ref_params))
     if kind == "MultiHeadAttention":
-        for p in ("query", "key", "value"):
-            k = getattr(ref, p).kernel[...]
-            getattr(ours, p).kernel[...] = k.reshape(k.shape[0], -1)
-            getattr(ours, p).bias[...] = getattr(ref, p).bias[...].reshape(-1) + 0.1
-            getattr(ref, p).bias[...] = getattr(ref, p).bias[...] + 0.1
-        ours.out.kernel[...] = ref.out.kernel[...].reshape(-1, ref.out.kernel[...].shape[-1])
         mask = jnp.asarray(r.random((2, 1, 5, 5)) > 0.3) | jnp.eye(5, dtype=bool)
         want = ref(x, mask=mask, decode=False)
         got = ours(x, mask=mask)
     else:
-        _, ref_params = nnx.split(ref, nnx.Param)
-        nnx.update(ours, jax.tree.map(lambda a: a + 0.1, ref_params))
-        nnx.update(ref, jax.tree.map(lambda a: a + 0.1, ref_params))
         inp = jnp.asarray(r.integers(0, 7, size=(2, 5))) if kind == "Embed" else x
         want, got = ref(inp), ours(inp)
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(got, want)  # bit-for-bit (tests/test_nn_flax_compat.py)
 
 
 def test_mha_call_conventions():
@@ -163,7 +158,8 @@ def test_mha_call_conventions():
 
     self_attn, cross, unbatched = jax.eval_shape(calls, state, x, kv)
     assert self_attn.shape == cross.shape == (2, 5, 6) and unbatched.shape == (5, 6)
-    for bad in (dict(dropout_rate=0.1), dict(decode=True), dict(num_kv_heads=1)):
+    # decode, dropout and grouped KV heads are supported now (tests/test_nn_flax_compat.py)
+    for bad in (dict(num_kv_heads=3), dict(qkv_features=7), dict(attention_fn=lambda *a: a)):
         with pytest.raises(ValueError):
             nn.MultiHeadAttention(2, 8, rngs=rngs, **bad)
     with pytest.raises(ValueError, match="integers"):
@@ -203,15 +199,20 @@ def test_gear_switch_in_jitted_step_never_recompiles(tiny, count_compiles):
 
 
 def test_fault_injection_and_one_layer_safe(tiny):
-    """fp16 q·k overflow in layer 1 only: NaN in FAST; that layer's attention in SAFE fixes it."""
+    """A q·k scale grown 1e5x in layer 1 only: the probe sees it in that layer; SAFE there runs.
+
+    It is not a fault at FAST any more: flax's default attention (``jax.nn.dot_product_attention``)
+    takes even fp16 logits in f32, and its softmax turns +inf logits into a one-hot row, so a
+    stock flax model survives this knob; the old FAST path (fp16 logits) died of it.
+    """
     model, batch, step = tiny
     _set_gears(model, 0)
     set_knob(model, "qk_scale", 1e5, layer=1)
     try:
         (loss, probes), _ = step(*_split(model), batch)
-        assert not np.isfinite(float(loss)), "the injected fault must be real"
-        head = np.asarray(probes["blocks"]["attn"]["probe_logits"][...][:, 4])
-        assert head[1] == 1.0 and head[0] < 0.5  # the probe sees it, in the right layer
+        assert np.isfinite(float(loss)), "flax's f32 logits do not overflow"
+        top = np.asarray(probes["blocks"]["attn"]["probe_logits"][...][:, 0])
+        assert top[1] > 1e3 * top[0]  # the probe sees the growth, in the right layer
         _set_gears(model, 2, "blocks.attn", 1)
         (loss, probes), grads = step(*_split(model), batch)
         assert np.isfinite(float(loss)) and _finite(grads)

@@ -252,12 +252,14 @@ def test_gradients_agree_across_gears(name):
 
 
 def _attention_overflow(dt):
-    # fp16 q·k logits past 65504: |q|,|k| = 200 along 4 dims gives 160000 (scale 1)
+    # fp16 q·k logits past 65504 on flax's explicit path (dropout / sow_weights: logits in the
+    # input dtype): |q|,|k| = 200 along 4 dims, q / sqrt(4) -> 100 * 200 * 4 = 80000. The
+    # fused path (flax's default, jax.nn.dot_product_attention) accumulates in f32: no fault.
     r = _rng(10)
     q = jnp.asarray(np.sign(r.normal(size=(1, 3, 1, 4))) * 200, dt)
     k = jnp.asarray(np.sign(r.normal(size=(1, 3, 1, 4))) * 200, dt)
     v = jnp.asarray(r.normal(size=(1, 3, 1, 4)), dt)
-    return (q, k, v), lambda a, g: ops.attention(*a, gear=g, scale=1.0)
+    return (q, k, v), lambda a, g: ops.attention(*a, gear=g, explicit=True)
 
 
 def _attention_masked_row(dt):
@@ -352,7 +354,6 @@ def _ce_exact(out, dt):
 ADVERSARIAL = [
     # (id, builder, dtypes where the fault exists, STABLE fixes it, check of SAFE's value)
     ("attention-fp16-logits", _attention_overflow, [F16], True, None),
-    ("attention-masked-row", _attention_masked_row, DTYPES, False, _rows_equal((0, 1), 0.0)),
     ("softmax-masked-row", _softmax_masked_row, DTYPES, False, _rows_equal(2, 0.0)),
     ("logsumexp-fp16-sum", _logsumexp_fp16_sum, [F16], True, _value(np.log(70000.0), 2e-3)),
     ("logsumexp-masked-row", _logsumexp_masked_row, DTYPES, False, None),
@@ -368,7 +369,8 @@ ADVERSARIAL = [
     ("cross_entropy-empty-mask", _cross_entropy_empty_mask, DTYPES, False, _value(0.0, 0)),
     # scores 79000 vs 78100: the gap of 900 makes the top-1 gate exactly 1
     ("router-fp16-scores", _router_overflow, [F16], True, _rows_equal(slice(None), [1.0, 0.0])),
-    ("linear-fp16-output", _linear_overflow, [F16], False, _rows_equal(0, 65504.0)),
+    # STABLE accumulates in f32 and saturates the cast back to fp16 (every gear returns fp16)
+    ("linear-fp16-output", _linear_overflow, [F16], True, _rows_equal(0, 65504.0)),
 ]
 ADV_PARAMS = [
     pytest.param(build, dt, fixes, check, id=f"{name}-{_ids(dt)}")
@@ -399,6 +401,32 @@ def test_adversarial(build, dt, stable_fixes, check):
     assert _finite(safe_grad), "SAFE gradient must be finite"
     if check is not None:
         check(safe, dt)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("explicit", [False, True])
+def test_attention_masked_row_is_flax(dt, explicit):
+    """A fully-masked query row: finite at FAST (flax fills with a large finite negative, so the
+    row averages the values uniformly), zeros in SAFE (defined: nothing to attend to)."""
+    (q, k, v), _ = _attention_masked_row(dt)
+    mask = jnp.ones((1, 1, 3, 3), bool).at[:, :, 1, :].set(False)
+    f = jit(lambda g: ops.attention(q, k, v, mask=mask, gear=g, explicit=explicit))
+    fast, safe = f(jnp.int32(0)), f(jnp.int32(2))
+    assert _finite(fast) and _finite(safe)
+    np.testing.assert_allclose(_np(fast[0, 1]), _np(v[0]).mean(0), rtol=TOL[dt] * 4, atol=TOL[dt])
+    assert float(jnp.max(jnp.abs(safe[0, 1]))) == 0.0
+
+
+def test_stable_saturates_fp16_output():
+    """Every gear returns the site's dtype (one type for lax.switch): STABLE computes in f32
+    and saturates the fp16 output at 65504 instead of overflowing to inf."""
+    x, w = jnp.full((2, 4), 200.0, F16), jnp.full((4, 3), 100.0, F16)
+    f = jit(lambda g: ops.linear(x, w, None, gear=g))
+    fast, stable = f(jnp.int32(0)), f(jnp.int32(1))
+    assert fast.dtype == stable.dtype == F16
+    assert not _finite(fast) and float(stable[0, 0]) == 65504.0
+    xb = jnp.full((2, 4), 200.0, BF16)
+    assert jit(lambda g: ops.linear(xb, w, None, gear=g))(jnp.int32(1)).dtype == BF16
 
 
 def test_safe_attention_beyond_f32_range():

@@ -4,8 +4,10 @@ The write-up's three NaN sources live in a handful of ops: the q·k logits and s
 attention, the MoE router's two softmaxes, the statistics of LayerNorm / RMSNorm, and the log of
 the cross-entropy. Each op here has three paths (docs/design.md, "Gears"):
 
-- **FAST** (``Gear.FAST == 0``): the input dtype and the ordinary formulation; it costs what
-  the plain op costs, and it has the plain op's faults (the adversarial tests show each one).
+- **FAST** (``Gear.FAST == 0``): exactly what the ``flax.nnx`` layer computes (for attention,
+  norms and linear: flax's formulas and dtype promotion; its backward is JAX's autodiff of
+  that formula); it costs what flax costs and has flax's faults, no more (the adversarial
+  tests show each one).
 - **STABLE** (1): every reduction and matmul accumulates in f32 (``preferred_element_type``);
   elementwise math runs in f32 (so fp16 inputs are computed as f32 and never overflow inside).
   Degenerate cases (a fully-masked row, a zero variance with ``eps=0``) are *not* handled here:
@@ -29,7 +31,11 @@ branches: the result is still the per-element gear's result, but every branch is
 ``nan2safe_jax.nn`` therefore never vmaps a gear: under ``nnx.scan`` over layers each layer's
 gear is sliced to a scalar before the op sees it.
 
-All branches return the input's float dtype (``cross_entropy`` returns f32).
+All branches return the input's float dtype (``cross_entropy`` returns f32): ``lax.switch``
+needs one output type, and the dtype a caller sees must not depend on the gear. So for an fp16
+site STABLE does not return bf16; its range comes from f32 computation and a *saturating*
+cast back (an fp16 output past 65504 becomes ±65504, not inf), and bf16 sites accumulate in
+f32.
 
 Layout (mirrors ``nan2safe_jax.kernels``): one module per op family (``softmax`` with
 ``logsumexp``, ``attention``, ``norms``, ``linear``, ``router``, ``cross_entropy``), the gear

@@ -122,3 +122,33 @@ def _switch_fast_vjp(gear, branches, fast: _FastVJP, *args):
 
     run.defvjp(run_fwd, run_bwd)
     return run(gear, tuple(args))
+
+
+def autodiff_fast(fast: Callable[..., Any]) -> _FastVJP:
+    """A ``_FastVJP`` whose backward is JAX's own autodiff of ``fast``.
+
+    FAST must be exactly what ``flax.nnx`` computes, gradients included, so its backward is
+    not hand-written: the forward runs ``jax.vjp(fast, *args)`` and saves that pullback's
+    residuals (FAST's own, nothing from the untaken paths); the backward rebuilds the pullback
+    from them. The gradient is therefore the one ``jax.grad`` gives for the plain formula.
+    """
+    box: dict[str, Any] = {}
+
+    def leaves_of(*args):
+        out, pullback = jax.vjp(fast, *args)
+        leaves, treedef = jax.tree_util.tree_flatten(pullback)
+        return out, tuple(leaves), treedef
+
+    def fwd(*args):
+        out, leaves, box["treedef"] = leaves_of(*args)
+        return out, leaves
+
+    def bwd(args, res, ct):
+        del args
+        return jax.tree_util.tree_unflatten(box["treedef"], list(res))(ct)
+
+    def zeros(*args):
+        shapes = jax.eval_shape(lambda *a: leaves_of(*a)[1], *args)
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
+
+    return _FastVJP(fwd, bwd, zeros)

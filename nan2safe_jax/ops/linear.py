@@ -1,4 +1,13 @@
-"""Dense layer matmul with FAST / STABLE / SAFE paths."""
+"""Dense layer matmul (``flax.nnx.Linear`` / ``LinearGeneral``) with FAST / STABLE / SAFE paths.
+
+FAST is flax's math: ``lax.dot_general`` of the (already promoted) operands with the layer's
+``precision`` and ``preferred_element_type``, then ``y += bias``. Every gear returns FAST's
+output dtype (``preferred_element_type`` or the operands' dtype): ``lax.switch`` needs one
+output type, and a site must not change the dtype its caller sees when the gear changes.
+STABLE therefore gets its range from f32 accumulation and a *saturating* cast back (an fp16
+output past 65504 becomes ±65504, not inf); SAFE adds power-of-two range compression and
+``Precision.HIGHEST``.
+"""
 
 from __future__ import annotations
 
@@ -20,37 +29,41 @@ from nan2safe_jax.ops._numerics import (
 from nan2safe_jax.ops.dispatch import switch
 
 
-def _dot_last(x, kernel, **kw):
-    return lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), **kw)
+def _dims(x, n):
+    """Contract the last ``n`` axes of ``x`` with the first ``n`` of the kernel."""
+    return ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
 
 
-def _bias_shape(bias, ndim):
-    return jnp.reshape(bias, (1,) * (ndim - 1) + (-1,))
+def _add_bias(y, bias):
+    if bias is None:
+        return y
+    return y + jnp.reshape(bias, (1,) * (y.ndim - bias.ndim) + bias.shape)
 
 
-def _linear_fast(x, kernel, bias, *, precision):
-    y = _dot_last(x, kernel.astype(x.dtype), precision=precision)
-    if bias is not None:
-        y = y + _bias_shape(bias.astype(x.dtype), y.ndim)
-    return y
+def _linear_fast(x, kernel, bias, *, n, precision, pet):
+    kw = {} if pet is None else {"preferred_element_type": pet}
+    y = lax.dot_general(x, kernel, _dims(x, n), precision=precision, **kw)
+    return _add_bias(y, bias)
 
 
-def _linear_stable(x, kernel, bias, *, precision):
-    y = _dot_last(x, kernel.astype(x.dtype), precision=precision, preferred_element_type=_F32)
-    if bias is not None:
-        y = y + _bias_shape(bias.astype(_F32), y.ndim)
-    return y.astype(x.dtype)
+def _out_dtype(x, pet):
+    return jnp.dtype(x.dtype if pet is None else pet)
 
 
-def _linear_safe(x, kernel, bias, *, precision):
+def _linear_stable(x, kernel, bias, *, n, precision, pet):
+    y = lax.dot_general(x, kernel, _dims(x, n), precision=precision, preferred_element_type=_F32)
+    y = _add_bias(y, None if bias is None else bias.astype(_F32))
+    return _saturate(y, _out_dtype(x, pet))
+
+
+def _linear_safe(x, kernel, bias, *, n, precision, pet):
     del precision
     xf, kf = x.astype(_F32), kernel.astype(_F32)
     ex, ek = _range_exponent(xf), _range_exponent(kf)
-    y = _dot_last(xf * _pow2(-ex), kf * _pow2(-ek), precision=_HIGHEST)
+    y = lax.dot_general(xf * _pow2(-ex), kf * _pow2(-ek), _dims(x, n), precision=_HIGHEST)
     y = y * _pow2(ex) * _pow2(ek)
-    if bias is not None:
-        y = y + _bias_shape(bias.astype(_F32), y.ndim)
-    return _saturate(y, x.dtype)
+    y = _add_bias(y, None if bias is None else bias.astype(_F32))
+    return _saturate(y, _out_dtype(x, pet))
 
 
 def linear(
@@ -60,32 +73,40 @@ def linear(
     gear: Any = 0,
     *,
     precision: Any = None,
+    preferred_element_type: Any = None,
+    contract: int = 1,
 ) -> jax.Array:
-    """``x @ kernel + bias`` over the last axis of ``x``.
-
-    FAST: ``lax.dot_general`` in ``x.dtype`` (``flax.nnx.Linear``'s math). STABLE:
-    ``preferred_element_type=f32`` and the bias added in f32. SAFE: f32 operands compressed by
-    powers of two, ``Precision.HIGHEST``, and a saturating cast back (an fp16 output past 65504
-    is clipped to ±65504 instead of becoming inf).
+    """``x @ kernel + bias``, contracting the last ``contract`` axes of ``x``.
 
     Args:
-      x: ``[..., in_features]``.
-      kernel: ``[in_features, out_features]`` (cast to ``x.dtype``).
-      bias: ``[out_features]`` or None.
+      x: ``[..., *in_shape]`` with ``len(in_shape) == contract``.
+      kernel: ``[*in_shape, *out_shape]``; cast to ``x.dtype`` (flax's ``promote_dtype`` is
+        the module's job: pass operands of one dtype to get exactly flax's FAST result).
+      bias: ``out_shape`` or None (cast to ``x.dtype``).
       gear: FAST/STABLE/SAFE.
       precision: ``lax.Precision`` for FAST/STABLE (SAFE always uses HIGHEST).
+      preferred_element_type: FAST's accumulation and output dtype (flax's argument).
+      contract: how many trailing axes of ``x`` are contracted (``LinearGeneral``'s axes).
 
     Returns:
-      ``[..., out_features]`` in ``x``'s float dtype.
+      ``[..., *out_shape]`` in ``preferred_element_type`` or ``x``'s float dtype, every gear.
     """
     x, kernel = jnp.asarray(x), jnp.asarray(kernel)
     x = x.astype(_float_dtype(x))
-    bias = None if bias is None else jnp.asarray(bias)
-    if x.shape[-1] != kernel.shape[0] or kernel.ndim != 2:
+    kernel = kernel.astype(x.dtype)
+    bias = None if bias is None else jnp.asarray(bias).astype(x.dtype)
+    n = int(contract)
+    if kernel.ndim < n + 1 or x.shape[x.ndim - n :] != kernel.shape[:n]:
         raise ValueError(
-            f"linear: x [..., {x.shape[-1]}] needs a kernel [{x.shape[-1]}, out], "
-            f"got {kernel.shape}"
+            f"linear: x [..., {x.shape[x.ndim - n :]}] needs a kernel [{x.shape[x.ndim - n :]}, "
+            f"out...], got {kernel.shape}"
         )
-    kw = dict(precision=precision)
+    pet = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
+    kw = dict(n=n, precision=precision, pet=pet)
     branches = [functools.partial(f, **kw) for f in (_linear_fast, _linear_stable, _linear_safe)]
     return switch(gear, branches, x, kernel, bias)
+
+
+def _dot_last(x, kernel, **kw):
+    """``x @ kernel`` over the last axis of ``x`` (the router's matmul)."""
+    return lax.dot_general(x, kernel, _dims(x, 1), **kw)

@@ -1,4 +1,21 @@
-"""LayerNorm and RMSNorm with FAST / STABLE / SAFE paths and an ``inv_std`` probe."""
+"""LayerNorm and RMSNorm with FAST / STABLE / SAFE paths and an ``inv_std`` probe.
+
+FAST is ``flax.nnx.LayerNorm`` / ``RMSNorm``'s math (flax's ``_compute_stats`` and
+``_normalize``): statistics taken in ``promote(dtype, f32)`` (fast variance ``E[x²] - E[x]²``
+clamped at 0, or two-pass with ``use_fast_variance=False``), an optional ``mask`` of the
+positions that enter the statistics, ``(x - mean) * (rsqrt(var + eps) * scale) + bias`` with
+``x`` in its own dtype promoted against the f32 statistics, cast back to ``x.dtype``. Its
+faults are flax's: a constant row (LayerNorm) or a zero row (RMSNorm) with ``eps=0`` is
+``0 * inf = NaN``; a fully-masked row is ``0/0``.
+
+STABLE: f32 two-pass statistics, f32 elementwise math, a saturating cast back. SAFE: f32, rows
+compressed by a power of two (``LN(x; eps) == LN(x·s; eps·s²)``), compensated statistics from
+``kernels.safe_layer_norm`` / ``safe_rms_norm``; a degenerate row (zero variance with
+``eps=0``, or no position in the mask) normalises to 0 with finite gradients. With a mask,
+SAFE uses plain (not compensated) masked sums: the kernels take no mask.
+
+Every gear returns ``x``'s dtype.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +35,7 @@ from nan2safe_jax.ops._numerics import (
     _range_exponent,
     _saturate,
 )
-from nan2safe_jax.ops.dispatch import _FastVJP, _switch_fast_vjp
+from nan2safe_jax.ops.dispatch import _switch_fast_vjp, autodiff_fast
 
 
 def _affine(y, scale, bias):
@@ -29,74 +46,55 @@ def _affine(y, scale, bias):
     return y
 
 
-def _ln_fast(x, scale, bias, eps, *, stats):
-    # flax.nnx.LayerNorm's formulation (fast variance E[x²] - E[x]², clamped at 0) in x.dtype:
-    # a constant row with eps=0 is 0 * rsqrt(0) = 0 * inf = NaN; fp16 x² overflows past 256.
-    mean = jnp.mean(x, -1, keepdims=True)
-    mean2 = jnp.mean(jnp.square(x), -1, keepdims=True)
-    var = jnp.maximum(0.0, mean2 - jnp.square(mean))
-    inv = lax.rsqrt(var + jnp.asarray(eps, x.dtype))
-    mul = inv if scale is None else inv * scale.astype(x.dtype)
-    y = (x - mean) * mul
-    if bias is not None:
-        y = y + bias.astype(x.dtype)
-    return y, ({"inv_std": probe.op_stats(inv)} if stats else None)
+def _flax_stats(x, mask, *, center, fast_var):
+    """flax's ``_compute_stats`` over the last axis: ``(mean, var)`` in ``promote(x, f32)``."""
+    xs = jnp.asarray(x, jnp.promote_types(x.dtype, _F32))
+    axes = (x.ndim - 1,)
+    if not center:
+        var = lax.square(xs).mean(axes, where=mask)
+        return jnp.zeros_like(var), var
+    if fast_var:
+        sq = lax.square(xs)  # before the means, as flax: the order fixes the gradient's sums
+        mu = xs.mean(axes, where=mask)
+        mu2 = sq.mean(axes, where=mask)
+        return mu, jnp.maximum(0.0, mu2 - lax.square(mu))
+    mu = xs.mean(axes, where=mask)
+    return mu, lax.square(xs - jnp.expand_dims(mu, axes)).mean(axes, where=mask)
 
 
-def _ln_fast_fwd(x, scale, bias, eps, *, stats):
-    out = _ln_fast(x, scale, bias, eps, stats=stats)
-    mean = jnp.mean(x, -1, keepdims=True)  # CSE'd with the forward's by XLA
-    var = jnp.maximum(0.0, jnp.mean(jnp.square(x), -1, keepdims=True) - jnp.square(mean))
-    return out, (mean, lax.rsqrt(var + jnp.asarray(eps, x.dtype)))
-
-
-def _norm_bwd(x, scale, mean, inv, g, center):
-    """VJP of ``y = (x - mean) * inv * scale + bias`` (mean = 0 for RMSNorm), in x.dtype."""
-    xhat = (x - mean) * inv if center else x * inv
-    dxhat = g if scale is None else g * scale.astype(x.dtype)
-    proj = jnp.mean(dxhat * xhat, -1, keepdims=True)
-    inner = dxhat - xhat * proj
-    if center:
-        inner = inner - jnp.mean(dxhat, -1, keepdims=True)
-    dx = inv * inner
-    lead = tuple(range(x.ndim - 1))
-    dscale = None if scale is None else jnp.sum(g * xhat, lead).astype(scale.dtype)
-    return dx.astype(x.dtype), dscale
-
-
-def _ln_fast_vjp(eps):
-    def fwd(x, scale, bias):
-        (y, st), res = _ln_fast_fwd(x, scale, bias, eps, stats=True)
-        return (y, st), res
-
-    def bwd(args, res, ct):
-        x, scale, bias = args
-        mean, inv = res
-        g = ct[0]
-        dx, dscale = _norm_bwd(x, scale, mean, inv, g, center=True)
-        dbias = None if bias is None else jnp.sum(g, tuple(range(x.ndim - 1))).astype(bias.dtype)
-        return dx, dscale, dbias
-
-    def zeros(x, scale, bias):
-        z = jnp.zeros(x.shape[:-1] + (1,), x.dtype)
-        return z, z
-
-    return fwd, bwd, zeros
-
-
-def _ln_stable(x, scale, bias, eps, *, stats):
-    xf = x.astype(_F32)
-    mean = jnp.mean(xf, -1, keepdims=True)
-    xc = xf - mean
-    var = jnp.mean(jnp.square(xc), -1, keepdims=True)  # two-pass, f32
+def _norm_fast(x, scale, bias, mask, *, eps, center, fast_var):
+    """flax's ``_normalize`` after ``_compute_stats``; the probe is ``rsqrt(var + eps)``."""
+    mean, var = _flax_stats(x, mask, center=center, fast_var=fast_var)
+    stats_shape = x.shape[:-1] + (1,)
+    mean, var = mean.reshape(stats_shape), var.reshape(stats_shape)
+    y = x - mean
     inv = lax.rsqrt(var + eps)
-    y = _affine(xc * inv, _f32(scale), _f32(bias))
-    return y.astype(x.dtype), ({"inv_std": probe.op_stats(inv)} if stats else None)
+    mul = inv
+    if scale is not None:
+        mul = mul * scale.reshape((1,) * (x.ndim - 1) + scale.shape)
+    y = y * mul
+    if bias is not None:
+        y = y + bias.reshape((1,) * (x.ndim - 1) + bias.shape)
+    return jnp.asarray(y, x.dtype), {"inv_std": probe.op_stats(inv)}
 
 
-def _safe_inv_std(xc, eps):
+def _norm_stable(x, scale, bias, mask, *, eps, center, fast_var):
+    del fast_var  # STABLE always takes the two-pass variance
+    xf = x.astype(_F32)
+    mean, var = _flax_stats(xf, mask, center=center, fast_var=False)
+    mean, var = mean[..., None], var[..., None]
+    inv = lax.rsqrt(var + eps)
+    y = _affine((xf - mean) * inv, _f32(scale), _f32(bias))
+    return _saturate(y, x.dtype), {"inv_std": probe.op_stats(inv)}
+
+
+def _safe_inv_std(xc, eps, mask=None):
     """Per-row ``1/sqrt(var + eps)`` of centred rows; 0 where ``var + eps`` is 0 (degenerate)."""
-    var = jnp.mean(jnp.square(xc), -1, keepdims=True)
+    if mask is None:
+        var = jnp.mean(jnp.square(xc), -1, keepdims=True)
+    else:
+        n = jnp.maximum(jnp.sum(mask, -1, keepdims=True), 1).astype(_F32)
+        var = jnp.sum(jnp.where(mask, jnp.square(xc), 0.0), -1, keepdims=True) / n
     d = var + eps
     ok = d > 0
     return jnp.where(ok, lax.rsqrt(jnp.where(ok, d, 1.0)), 0.0)
@@ -114,17 +112,46 @@ def _safe_probe_inv_std(xf, eps, center):
     return probe.op_stats(_safe_inv_std(xs, eps * _pow2(-2 * e)) * _pow2(-e))
 
 
-def _ln_safe(x, scale, bias, eps, *, stats):
+def _norm_safe_masked(xf, scale, bias, mask, eps, center):
+    """SAFE with a mask: compressed rows, masked mean / variance, degenerate rows -> 0."""
+    e = _range_exponent(xf, axis=-1, keepdims=True)
+    xs = xf * _pow2(-e)
+    mask = jnp.broadcast_to(mask, xf.shape)
+    if center:
+        n = jnp.maximum(jnp.sum(mask, -1, keepdims=True), 1).astype(_F32)
+        xs = xs - jnp.sum(jnp.where(mask, xs, 0.0), -1, keepdims=True) / n
+    inv = _safe_inv_std(xs, eps * _pow2(-2 * e), mask)
+    y = _affine(xs * inv, _f32(scale), _f32(bias))
+    return y, {"inv_std": probe.op_stats(inv * _pow2(-e))}
+
+
+def _norm_safe(x, scale, bias, mask, *, eps, center, fast_var):
+    del fast_var
     xf = x.astype(_F32)
-    # the kernel compresses each row by a power of two (LN(x; eps) == LN(x·s; eps·s²)),
-    # sums with compensation, and defines a zero-variance row with eps=0 as 0 (then + bias)
-    y = _kernels().safe_layer_norm(xf, _f32(scale), _f32(bias), eps=eps)
-    st = {"inv_std": _safe_probe_inv_std(xf, eps, True)} if stats else None
+    if mask is not None:
+        y, st = _norm_safe_masked(xf, scale, bias, mask, eps, center)
+        return _saturate(y, x.dtype), st
+    if center:
+        y = _kernels().safe_layer_norm(xf, _f32(scale), _f32(bias), eps=eps)
+    else:
+        y = _kernels().safe_rms_norm(xf, _f32(scale), eps=eps)
+    st = {"inv_std": _safe_probe_inv_std(xf, eps, center)}
     return _saturate(y, x.dtype), st
 
 
 def _f32(a):
     return None if a is None else a.astype(_F32)
+
+
+def _norm(x, scale, bias, eps, gear, mask, use_fast_variance, center):
+    x = jnp.asarray(x)
+    x = x.astype(_float_dtype(x))
+    scale = None if scale is None else jnp.asarray(scale).astype(x.dtype)
+    bias = None if bias is None else jnp.asarray(bias).astype(x.dtype)
+    mask = None if mask is None else jnp.broadcast_to(jnp.asarray(mask, bool), x.shape)
+    kw = dict(eps=float(eps), center=center, fast_var=bool(use_fast_variance))
+    branches = [functools.partial(f, **kw) for f in (_norm_fast, _norm_stable, _norm_safe)]
+    return _switch_fast_vjp(gear, branches, autodiff_fast(branches[0]), x, scale, bias, mask)
 
 
 def layer_norm(
@@ -134,22 +161,21 @@ def layer_norm(
     eps: float = 1e-6,
     gear: Any = 0,
     *,
+    mask: jax.typing.ArrayLike | None = None,
+    use_fast_variance: bool = True,
     return_stats: bool = False,
 ):
     """LayerNorm over the last axis: ``(x - mean) / sqrt(var + eps) * scale + bias``.
 
-    FAST: ``flax.nnx.LayerNorm``'s math (fast variance ``E[x²] - E[x]²``) in ``x.dtype``; a
-    constant row with ``eps=0`` gives 0·inf = NaN. STABLE: f32 two-pass statistics. SAFE:
-    ``kernels.safe_layer_norm`` in f32 (per-row power-of-two range compression, compensated
-    two-pass statistics; a zero-variance row with ``eps=0`` gives ``bias`` (0 before the
-    affine) with finite gradients).
-
     Args:
       x: ``[..., features]``.
-      scale: ``[features]`` or None.
-      bias: ``[features]`` or None.
+      scale: ``[features]`` or None (cast to ``x.dtype``, as flax's ``promote_dtype`` does).
+      bias: ``[features]`` or None (cast to ``x.dtype``).
       eps: added to the variance (a Python float).
       gear: FAST/STABLE/SAFE.
+      mask: bool, broadcastable to ``x``: the positions that enter the statistics (flax's
+        ``mask=``); every position is normalised.
+      use_fast_variance: FAST's variance as ``E[x²] - E[x]²`` (flax's default) or two-pass.
       return_stats: also return ``{"inv_std": stats}``: ``detector.stats`` of the per-row
         ``1/sqrt(var + eps)``; its ``max_abs`` is ``1/sqrt(min var + eps)``, the precursor of a
         collapsing variance (inf when a row is degenerate in FAST/STABLE).
@@ -157,56 +183,8 @@ def layer_norm(
     Returns:
       ``x``'s float dtype, same shape; with ``return_stats`` a tuple ``(y, stats)``.
     """
-    x = jnp.asarray(x)
-    x = x.astype(_float_dtype(x))
-    scale = None if scale is None else jnp.asarray(scale)
-    bias = None if bias is None else jnp.asarray(bias)
-    eps = float(eps)
-    branches = [
-        functools.partial(lambda f, x, s, b: f(x, s, b, eps, stats=True), f)
-        for f in (_ln_fast, _ln_stable, _ln_safe)
-    ]
-    y, st = _switch_fast_vjp(gear, branches, _FastVJP(*_ln_fast_vjp(eps)), x, scale, bias)
+    y, st = _norm(x, scale, bias, eps, gear, mask, use_fast_variance, center=True)
     return (y, st) if return_stats else y
-
-
-def _rms_fast(x, scale, eps, *, stats):
-    # flax.nnx.RMSNorm's math in x.dtype: an all-zero row with eps=0 is 0 * inf = NaN.
-    ms = jnp.mean(jnp.square(x), -1, keepdims=True)
-    inv = lax.rsqrt(ms + jnp.asarray(eps, x.dtype))
-    mul = inv if scale is None else inv * scale.astype(x.dtype)
-    return x * mul, ({"inv_std": probe.op_stats(inv)} if stats else None)
-
-
-def _rms_fast_vjp(eps):
-    def fwd(x, scale):
-        out = _rms_fast(x, scale, eps, stats=True)
-        inv = lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + jnp.asarray(eps, x.dtype))
-        return out, (inv,)
-
-    def bwd(args, res, ct):
-        x, scale = args
-        (inv,) = res
-        return _norm_bwd(x, scale, None, inv, ct[0], center=False)
-
-    def zeros(x, scale):
-        return (jnp.zeros(x.shape[:-1] + (1,), x.dtype),)
-
-    return fwd, bwd, zeros
-
-
-def _rms_stable(x, scale, eps, *, stats):
-    xf = x.astype(_F32)
-    inv = lax.rsqrt(jnp.mean(jnp.square(xf), -1, keepdims=True) + eps)
-    y = _affine(xf * inv, _f32(scale), None)
-    return y.astype(x.dtype), ({"inv_std": probe.op_stats(inv)} if stats else None)
-
-
-def _rms_safe(x, scale, eps, *, stats):
-    xf = x.astype(_F32)
-    y = _kernels().safe_rms_norm(xf, _f32(scale), eps=eps)
-    st = {"inv_std": _safe_probe_inv_std(xf, eps, False)} if stats else None
-    return _saturate(y, x.dtype), st
 
 
 def rms_norm(
@@ -215,26 +193,15 @@ def rms_norm(
     eps: float = 1e-6,
     gear: Any = 0,
     *,
+    mask: jax.typing.ArrayLike | None = None,
+    use_fast_variance: bool = True,
     return_stats: bool = False,
 ):
     """RMSNorm over the last axis: ``x / sqrt(mean(x²) + eps) * scale``.
 
-    FAST: ``flax.nnx.RMSNorm``'s math in ``x.dtype`` (an all-zero row with ``eps=0`` gives NaN;
-    fp16 ``x²`` overflows past 256, silently zeroing the row). STABLE: f32 statistics. SAFE:
-    ``kernels.safe_rms_norm`` in f32 (per-row range compression, compensated sum of squares; a
-    zero row gives 0, finite gradients).
-
-    Returns:
-      ``x``'s float dtype; with ``return_stats`` a tuple ``(y, {"inv_std": stats})`` (see
-      ``layer_norm``).
+    FAST is flax's (an all-zero row with ``eps=0`` gives NaN); ``use_fast_variance`` is
+    accepted as flax does (RMSNorm takes no mean, so it changes nothing). Arguments and
+    returns as ``layer_norm``.
     """
-    x = jnp.asarray(x)
-    x = x.astype(_float_dtype(x))
-    scale = None if scale is None else jnp.asarray(scale)
-    eps = float(eps)
-    branches = [
-        functools.partial(lambda f, x, s: f(x, s, eps, stats=True), f)
-        for f in (_rms_fast, _rms_stable, _rms_safe)
-    ]
-    y, st = _switch_fast_vjp(gear, branches, _FastVJP(*_rms_fast_vjp(eps)), x, scale)
+    y, st = _norm(x, scale, None, eps, gear, mask, use_fast_variance, center=False)
     return (y, st) if return_stats else y
