@@ -55,6 +55,7 @@ MODEL = TransformerConfig(
     dtype=jnp.float16,
     param_dtype=jnp.float32,
     pad_mask="keys",
+    attn_dropout=0.1,
 )
 CFG = nan2safe.Config(
     min_history=24, safe_max_steps=8, recovery_window=32, checkpoint_every=40, log_every=1

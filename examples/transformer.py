@@ -65,6 +65,12 @@ class TransformerConfig:
     # "keys": the common key-padding mask alone; with causal attention and left padding a
     # padding query sees only padding keys, its row is fully masked and FAST softmax is 0/0.
     pad_mask: str = "self"
+    # > 0: the attention is configured with dropout, as many GPT-style configs are. flax.nnx then
+    # takes its explicit-weights path (q / sqrt(d), logits kept in the compute dtype, here fp16)
+    # even when run deterministic, so growing q·k logits overflow fp16 at FAST exactly as in a
+    # stock flax.nnx model. The blocks run deterministic (no dropout masks drawn): both demo arms
+    # see identical numerics.
+    attn_dropout: float = 0.0
 
     def __post_init__(self):
         for name in ("num_layers", "d_model", "num_heads", "seq_len", "vocab"):
@@ -74,6 +80,8 @@ class TransformerConfig:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})"
             )
+        if not 0.0 <= self.attn_dropout < 1.0:
+            raise ValueError(f"attn_dropout must be in [0, 1), got {self.attn_dropout!r}")
         if self.pad_mask not in ("self", "keys"):
             raise ValueError(f"pad_mask must be 'self' or 'keys', got {self.pad_mask!r}")
         if self.norm not in ("layer", "rms"):
@@ -143,6 +151,8 @@ class Block(nnx.Module):
             cfg.d_model,
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
+            dropout_rate=cfg.attn_dropout,
+            deterministic=True,
             rngs=rngs,
         )
         self.ln2 = _norm(cfg, rngs)

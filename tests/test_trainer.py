@@ -239,10 +239,14 @@ def test_sigkill_mid_run_resumes_from_the_last_complete_checkpoint(tmp_path):
     json.dumps(resume)
 
 
-def test_end_to_end_fp16_transformer_fully_masked_row(tmp_path):
-    """The issue's end-to-end run: nan2safe.nn model, fp16, batch k holds a fully-masked
-    attention row (left padding under a key-padding + causal mask)."""
-    from examples.transformer import Transformer, TransformerConfig, lm_loss
+def test_end_to_end_fp16_transformer_attention_overflow(tmp_path):
+    """End to end on a nan2safe.nn model in fp16 whose attention has dropout configured, so FAST
+    takes flax.nnx's explicit-weights path (logits kept in fp16), as a stock flax.nnx model
+    would. At one step the q·k scale of the layer jumps and the fp16 logits overflow: tier 2
+    names the attention site, SAFE (f32, range-compressed logits) carries on, staged recovery
+    brings it back. (A fully masked row is no fault at FAST any more: FAST fills masked logits
+    with the dtype's minimum, as flax does.)"""
+    from examples.transformer import Transformer, TransformerConfig, lm_loss, set_knob
 
     mcfg = TransformerConfig(
         num_layers=1,
@@ -251,38 +255,40 @@ def test_end_to_end_fp16_transformer_fully_masked_row(tmp_path):
         seq_len=16,
         vocab=32,
         dtype=jnp.float16,
-        pad_mask="keys",
+        attn_dropout=0.1,
     )
     rng = np.random.default_rng(0)
     bad_step, steps = 6, 24
-    batches = []
-    for t in range(steps):
-        tokens = rng.integers(1, 32, (4, 16)).astype(np.int32)
-        mask = np.ones((4, 16), bool)
-        mask[:, 12:] = False  # right padding: every query still sees real keys
-        if t == bad_step:
-            mask = mask[:, ::-1].copy()  # left padding: padding queries see only padding
-        batches.append(
-            {"tokens": jnp.asarray(np.where(mask, tokens, 0)), "mask": jnp.asarray(mask)}
-        )
+    batches = [
+        {"tokens": jnp.asarray(rng.integers(1, 32, (4, 16)).astype(np.int32))} for _ in range(steps)
+    ]
     cfg = Config(safe_max_steps=4, min_history=8, recovery_window=8, checkpoint_every=10)
     tr = Trainer(
         Transformer(mcfg, rngs=nnx.Rngs(0)), optax.adam(3e-3), lm_loss, cfg, tmp_path / "r"
     )
-    hist = tr.fit(batches, steps=steps)
+
+    def set_scale(value):
+        m = tr.state.model
+        set_knob(m, "qk_scale", value)
+        _, _, rest = nnx.split(m, nnx.Param, ...)
+        tr.state = tr.state.replace(rest=rest)
+
+    def stream():
+        for t, b in enumerate(batches):
+            set_scale(3e4 if t == bad_step else 1.0)
+            yield b
+
+    hist = tr.fit(stream(), steps=steps)
     ev = tr.events
     loc = [e for e in ev if e["type"] == "locate"]
     assert len(loc) == 1 and loc[0]["step"] == bad_step, _types(ev)
     rep = loc[0]["report"]
-    assert rep["site"] == "blocks.0.attn" and rep["diagnosis"] == "0/0"
+    assert rep["site"] == "blocks.0.attn" and rep["diagnosis"] == "overflow", rep
     assert hist[bad_step]["skipped"] and not np.isfinite(hist[bad_step]["loss"])
     enter = [e for e in ev if e["type"] == "safe_enter"][0]
-    exit_ = [e for e in ev if e["type"] == "safe_exit"][0]
-    assert enter["site"] == exit_["site"] == "blocks.0.attn"
-    assert exit_["step"] - enter["step"] == cfg.safe_max_steps + 1  # the stay, then STABLE
+    assert enter["site"] == "blocks.0.attn"
     order = _types(ev)
     assert order.index("skip") < order.index("locate") < order.index("safe_enter")
-    assert order.index("safe_enter") < order.index("safe_exit")
     losses = [h["loss"] for h in hist]
     assert np.isfinite(losses[-1]) and losses[-1] < losses[0]
     assert all(np.isfinite(h["loss"]) for h in hist[bad_step + 1 :])

@@ -166,12 +166,11 @@ def _fast_explicit(q, k, v, mask, mult, scale, *, causal, precision, weights):
     if mask is not None or causal:
         masks = [] if mask is None else [mask]
         if causal:
-            target = mask.shape if mask is not None else w.shape
-            masks.append(jnp.broadcast_to(_causal_mask(*w.shape[-2:]), target))
+            masks.append(_causal_mask(*w.shape[-2:]))
         combined = masks[0]
         for other in masks[1:]:
-            combined = jnp.logical_and(combined, other)
-        w = jnp.where(combined, w, fill)
+            combined = jnp.logical_and(combined, other)  # broadcasts, as flax's combine_masks
+        w = jnp.where(jnp.broadcast_to(combined, w.shape), w, fill)
     masked = w
     w = jax.nn.softmax(w).astype(dtype)
     row_max, pmax = _row_probe(masked, fill, w)
