@@ -1,8 +1,25 @@
-"""Localization benchmark: ``nan2safe.replay.locate`` vs ``jax_debug_nans`` on a train step.
+"""Localization benchmark: ``nan2safe.replay.locate_step`` vs ``jax_debug_nans`` on train steps.
 
-A 4-layer pre-LN transformer written in plain JAX, trained with one full step (forward, ``jax.grad``
-and an SGD update), in three forms: layers unrolled, ``lax.scan`` over stacked layers, and each
-layer under ``jax.checkpoint``. Three faults, each injected in layer 2:
+Two suites.
+
+``--suite ladder`` (default; writes ``docs/locate.json``, ``--markdown`` prints the README table):
+a scale ladder of ``examples/transformer.py``'s model, built from ``nan2safe.nn`` sites and
+trained by ``nan2safe.make_train_step`` (the Trainer's real step): ``tiny``, ``demo`` (2 layers,
+d_model 128, seq 64, batch 8), ``4x256`` (4 layers, d_model 256, seq 128, batch 8) and ``gpt2s``
+(12 layers, d_model 768, 12 heads, seq 256, batch 2), each unrolled and with ``scan_layers``; two
+faults: ``masked_row`` (a left-padded row under a key-padding + causal mask: a fully masked
+attention row, f32) and ``fp16_logits`` (one layer's q·k scale at 3000 in fp16: the logits
+overflow). Per rung, each arm in its own fresh process with its peak RSS (an arm whose RSS passes
+``RSS_LIMIT_GB`` is aborted): ``plain`` (the step's first call: compile + run), ``locate``
+(``locate_step`` after the step has run once, as in the Trainer: cold, then warm = a second
+incident on a fresh trace), ``nans`` (``jax_debug_nans`` on, first call of the step: compile,
+run, op-by-op re-run). Right = the primitive is the expected one, the site is the attention and
+the user line is ``Block.__call__``'s attention call.
+
+``--suite faults`` (the earlier suite): a 4-layer pre-LN transformer written in plain JAX, trained
+with one full step (forward, ``jax.grad`` and an SGD update), in three forms: layers unrolled,
+``lax.scan`` over stacked layers, and each layer under ``jax.checkpoint``. Three faults, each
+injected in layer 2:
 
   * ``logits_fp16``: fp16 attention logits overflow (q and k projections scaled up): the
     ``dot_general`` makes inf, the softmax then NaN from ``inf - inf``; a ``-inf`` causal mask is
@@ -17,7 +34,8 @@ with the flag on: compile, run, de-optimized re-run) and warm, with what each na
 a second incident on the same step, traced afresh (as the trainer does) and located again. Also
 whether ``jax_debug_nans`` notices anything when switched on only after the step was compiled.
 
-Usage: ``python benchmarks/locate.py [--json PATH] [--quick]``
+Usage: ``python benchmarks/locate.py [--rungs demo,4x256] [--layouts unrolled,scan]
+[--faults masked_row,fp16_logits] [--json PATH]``, ``--suite faults [--quick]``, ``--markdown``.
 """
 
 from __future__ import annotations
@@ -202,12 +220,16 @@ def _count(jaxpr) -> int:
     return n
 
 
-def _parse_fpe(e: BaseException) -> tuple[str | None, str | None]:
+def _parse_fpe(e: BaseException, file: str | None = None) -> tuple[str | None, str | None]:
     msg = str(e)
     m = re.search(r"encountered in (\S+?)[\s.,:]", msg + " ")
     prim = m.group(1) if m else None
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == HERE]
-    src = f"{os.path.basename(HERE)}:{frames[-1].lineno}" if frames else None
+    frames = [
+        f
+        for f in traceback.extract_tb(e.__traceback__)
+        if (f.filename == HERE if file is None else f.filename.endswith(file))
+    ]
+    src = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else None
     return prim, src
 
 
@@ -242,6 +264,245 @@ def child_nans(variant: str, fault: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
+# the scale ladder: examples/transformer.py's model (nan2safe.nn sites) in the Trainer's real step
+
+RUNGS = {
+    "tiny": dict(num_layers=1, d_model=32, num_heads=2, seq_len=16, batch=2),
+    "demo": dict(num_layers=2, d_model=128, num_heads=4, seq_len=64, batch=8),
+    "4x256": dict(num_layers=4, d_model=256, num_heads=4, seq_len=128, batch=8),
+    "gpt2s": dict(num_layers=12, d_model=768, num_heads=12, seq_len=256, batch=2),
+}
+LAYOUTS = ("unrolled", "scan")
+LADDER_FAULTS = {
+    # a left-padded batch under a key-padding + causal mask: a fully masked attention row
+    "masked_row": ("sub", "div"),
+    # fp16 attention logits of one layer scaled past 65504
+    "fp16_logits": ("dot_general",),
+}
+RSS_LIMIT_GB = 8.0
+
+
+def _rss_guard(limit_gb: float) -> None:
+    """Ends this process (exit 3) as soon as its resident memory passes ``limit_gb``."""
+    import threading
+
+    def watch():
+        while True:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        if int(line.split()[1]) > limit_gb * 1024**2:
+                            print(json.dumps({"error": f"RSS above {limit_gb} GB: aborted"}))
+                            sys.stdout.flush()
+                            os._exit(3)
+            time.sleep(0.1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def build_ladder(rung: str, layout: str, fault: str):
+    """``(step, (state, batch))``: the Trainer's jitted step on a faulty batch."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+    import nan2safe_jax as nan2safe
+    from examples.transformer import Transformer, TransformerConfig, lm_loss, set_knob
+
+    r = RUNGS[rung]
+    cfg = TransformerConfig(
+        num_layers=r["num_layers"],
+        d_model=r["d_model"],
+        num_heads=r["num_heads"],
+        seq_len=r["seq_len"],
+        vocab=128,
+        dtype=jnp.float16 if fault == "fp16_logits" else jnp.float32,
+        param_dtype=jnp.float32,
+        pad_mask="keys",
+        scan_layers=layout == "scan",
+    )
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    if fault == "fp16_logits":
+        set_knob(model, "qk_scale", 3000.0, layer=cfg.num_layers // 2)
+    b, t = r["batch"], r["seq_len"]
+    tokens = jax.random.randint(jax.random.key(1), (b, t), 1, cfg.vocab, dtype=jnp.int32)
+    mask = jnp.ones((b, t), bool)
+    if fault == "masked_row":
+        mask = mask.at[1, : t // 2].set(False)  # row 1 left-padded: its first queries see no key
+    batch = {"tokens": jnp.where(mask, tokens, 0), "mask": mask}
+    state = nan2safe.TrainState.create(model, optax.sgd(1e-3), nan2safe.Config())
+    step = nan2safe.make_train_step(lm_loss)
+    return step.jitted, (state, batch)
+
+
+def _block_call_line() -> str:
+    """``transformer.py:LINE`` of ``Block.__call__``'s attention call (the expected user line)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "transformer.py")
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if "self.attn(self.ln1(x)" in line:
+                return f"transformer.py:{i}"
+    return "?"
+
+
+def _maxrss_gb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+
+
+def child_ladder(arm: str, rung: str, layout: str, fault: str) -> dict:
+    import jax
+
+    _rss_guard(RSS_LIMIT_GB)
+    step, args = build_ladder(rung, layout, fault)
+    out: dict = {}
+    if arm == "nans":
+        jax.config.update("jax_debug_nans", True)
+        t0 = time.perf_counter()
+        try:
+            jax.block_until_ready(step(*args))
+            prim, src = None, None
+        except FloatingPointError as e:
+            prim, src = _parse_fpe(e, "transformer.py")
+        out.update(cold_s=time.perf_counter() - t0, primitive=prim, source=src)
+        out["rss_gb"] = _maxrss_gb()
+        return out
+    t0 = time.perf_counter()
+    jax.block_until_ready(step(*args))  # the production step (compiled and run, as in training)
+    out["step_s"] = time.perf_counter() - t0
+    out["step_rss_gb"] = _maxrss_gb()
+    if arm == "plain":
+        return out
+
+    from nan2safe_jax import replay
+
+    t0 = time.perf_counter()
+    r = replay.locate_step(step, *args)
+    out["cold_s"] = time.perf_counter() - t0
+    out["rss_gb"] = _maxrss_gb()
+    t0 = time.perf_counter()
+    r2 = replay.locate_step(step, *args)  # a second incident: traced again, same shapes
+    out["warm_s"] = time.perf_counter() - t0
+    out.update(
+        primitive=r.primitive,
+        source=_short(r.source),
+        user_source=_short(r.user_source),
+        site=r.site,
+        kind=r.kind,
+        direction=r.direction,
+        diagnosis=r.diagnosis,
+        replays=r.replays,
+        reproducible=r.reproducible,
+        reason=r.reason,
+        warm_same=(r2.primitive, r2.source) == (r.primitive, r.source),
+        eqn_path=[str(p) for p in r.eqn_path],
+    )
+    return out
+
+
+def _run_ladder_child(arm: str, rung: str, layout: str, fault: str) -> dict:
+    cmd = [sys.executable, HERE, "--child", arm, rung, layout, fault]
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(HERE)))
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    except subprocess.TimeoutExpired:
+        return {"error": "timeout (900 s)"}
+    for line in p.stdout.splitlines()[::-1]:
+        if line.startswith("{"):
+            return json.loads(line)
+    return {"error": (p.stderr or p.stdout)[-800:]}
+
+
+def ladder(rungs: list[str], layouts: list[str], faults: list[str]) -> list[dict]:
+    """Every rung x layout x fault, each arm in its own fresh process."""
+    want_line = _block_call_line()
+    records = []
+    for rung in rungs:
+        for layout in layouts:
+            for fault in faults:
+                rec = {"rung": rung, **RUNGS[rung], "layout": layout, "fault": fault}
+                for arm in ("plain", "locate", "nans"):
+                    rec[arm] = _run_ladder_child(arm, rung, layout, fault)
+                    print(f"done {rung}/{layout}/{fault}/{arm}", file=sys.stderr, flush=True)
+                lo, na, pl = rec["locate"], rec["nans"], rec["plain"]
+                rec["expected"] = f"{'|'.join(LADDER_FAULTS[fault])} called from {want_line}"
+                rec["locate_correct"] = (
+                    lo.get("primitive") in LADDER_FAULTS[fault]
+                    and lo.get("user_source") == want_line
+                    and (lo.get("site") or "").endswith("attn")
+                )
+                rec["nans_correct"] = na.get("primitive") in LADDER_FAULTS[fault]
+                if "rss_gb" in lo and "step_rss_gb" in pl:
+                    rec["rss_ratio"] = lo["rss_gb"] / pl["step_rss_gb"]
+                if "cold_s" in lo and "cold_s" in na:
+                    rec["time_ratio"] = lo["cold_s"] / na["cold_s"]
+                records.append(rec)
+    return records
+
+
+def print_ladder(records: list[dict]) -> None:
+    hdr = (
+        f"{'rung':6} {'layout':8} {'fault':11} | {'step':>5} {'RSS':>5} | {'locate':>6} "
+        f"{'warm':>5} {'RSS':>5} {'xRSS':>4} {'rpl':>3} {'names':44} ok | {'dbg_nans':>8} "
+        f"{'RSS':>5} {'names':12} ok"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    for r in records:
+        lo, na, pl = r["locate"], r["nans"], r["plain"]
+        err = lo.get("error") or na.get("error") or pl.get("error")
+        if err:
+            print(f"{r['rung']:6} {r['layout']:8} {r['fault']:11} | ERROR {err[-200:]!r}")
+            continue
+        names = f"{lo['primitive']}@{lo['user_source']}"
+        if not lo.get("reproducible", True):
+            names = "not reproducible"
+        print(
+            f"{r['rung']:6} {r['layout']:8} {r['fault']:11} | {pl['step_s']:>4.1f}s "
+            f"{pl['step_rss_gb']:>4.2f}G | {lo['cold_s']:>5.1f}s {lo['warm_s']:>4.2f}s "
+            f"{lo['rss_gb']:>4.2f}G {r['rss_ratio']:>4.2f} {lo['replays']:>3} {names:44} "
+            f"{'Y' if r['locate_correct'] else 'N'}  | {na['cold_s']:>7.1f}s {na['rss_gb']:>4.2f}G "
+            f"{str(na['primitive']):12} {'Y' if r['nans_correct'] else 'N'}"
+        )
+    print(
+        "step: the production step's first call (compile + run); locate: replay.locate_step after "
+        "it (cold: every replay compiled), warm: a second incident; dbg_nans: jax_debug_nans on, "
+        "first call of the step (compile + run + op-by-op re-run); RSS: peak of each fresh "
+        "process; xRSS: locate peak / plain step peak"
+    )
+
+
+def markdown_ladder(records: list[dict]) -> str:
+    """The README table, from ``docs/locate.json``'s ladder records."""
+    rows = [
+        "| model | layout | fault | plain step (compile + run) | step peak RSS | locate cold | "
+        "warm | locate peak RSS | × step | replays | names (user line) | `jax_debug_nans` cold "
+        "| its RSS | it names |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        lo, na, pl = r["locate"], r["nans"], r["plain"]
+        if lo.get("error") or na.get("error") or pl.get("error"):
+            err = (lo.get("error") or na.get("error") or pl.get("error"))[-80:]
+            rows.append(f"| {r['rung']} | {r['layout']} | {r['fault']} | error: {err} |")
+            continue
+        ok = "✔" if r["locate_correct"] else "✘"
+        nok = "✔" if r["nans_correct"] else "✘"
+        model = f"{r['num_layers']}L d{r['d_model']} T{r['seq_len']} B{r['batch']}"
+        rows.append(
+            f"| {model} | {r['layout']} | {r['fault']} | {pl['step_s']:.1f} s | "
+            f"{pl['step_rss_gb']:.2f} GB | {lo['cold_s']:.1f} s | {lo['warm_s']:.2f} s | "
+            f"{lo['rss_gb']:.2f} GB | {r['rss_ratio']:.2f} | {lo['replays']} | "
+            f"`{lo['primitive']}` ({lo['user_source']}) {ok} | {na['cold_s']:.1f} s | "
+            f"{na['rss_gb']:.2f} GB | `{na['primitive']}` {nok} |"
+        )
+    return "\n".join(rows)
+
+
+# ------------------------------------------------------------------------------------------------
 # driver
 
 
@@ -257,14 +518,36 @@ def _run_child(kind: str, variant: str, fault: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write the records to this path")
-    ap.add_argument("--quick", action="store_true", help="unrolled variant only")
-    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--json", help="write the records to this path (default: docs/locate.json)")
+    ap.add_argument("--suite", choices=("ladder", "faults"), default="ladder")
+    ap.add_argument("--rungs", default="demo,4x256", help=f"ladder rungs of {list(RUNGS)}")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--faults", default=",".join(LADDER_FAULTS))
+    ap.add_argument("--quick", action="store_true", help="faults suite: unrolled variant only")
+    ap.add_argument(
+        "--markdown", action="store_true", help="print the README table of an existing JSON"
+    )
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.markdown:
+        path = a.json or os.path.join(os.path.dirname(os.path.dirname(HERE)), "docs", "locate.json")
+        with open(path) as f:
+            print(markdown_ladder(json.load(f)["ladder"]))
+        return
     if a.child:
+        if len(a.child) == 4:
+            print(json.dumps(child_ladder(*a.child)))
+            return
         kind, variant, fault = a.child
         fn = child_locate if kind == "locate" else child_nans
         print(json.dumps(fn(variant, fault)))
+        return
+    if a.suite == "ladder":
+        records = ladder(a.rungs.split(","), a.layouts.split(","), a.faults.split(","))
+        print_ladder(records)
+        path = a.json or os.path.join(os.path.dirname(os.path.dirname(HERE)), "docs", "locate.json")
+        with open(path, "w") as f:
+            json.dump({"ladder": records, "rss_limit_gb": RSS_LIMIT_GB}, f, indent=1)
         return
 
     lines = _marker_lines()

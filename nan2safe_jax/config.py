@@ -23,8 +23,17 @@ class Config:
 
     Attributes:
       window: EMA window of the detector baseline; ``alpha = 2 / (window + 1)``.
-      z_threshold: z-score above which a probe counts half a risk point (write-up: 4.0-6.0).
-      diff_threshold: second-difference threshold, in baseline std units (~60% of z_threshold).
+      z_threshold: z-score above which a probe counts half a risk point (write-up: 4.0-6.0);
+        a floor: ``false_alarm_rate`` may raise the threshold applied (``detector.thresholds``).
+      diff_threshold: second-difference threshold, in baseline std units (~60% of z_threshold);
+        a floor, as ``z_threshold``.
+      false_alarm_rate: target rate, per step, at which stationary noise makes any signal of any
+        probe fire (risk >= 0.5), all probes together. Each probe's z and d2 thresholds are
+        derived from an equal share of it (Bonferroni over probes); ``None`` applies
+        ``z_threshold`` and ``diff_threshold`` as given (the write-up's raw rule).
+      diff_headroom: headroom (``max_abs / finfo(dtype).max``) from which a probe's second
+        difference counts (the write-up's absolute gate on the acceleration signal); 2**-8 is
+        eight doublings below overflow. 0 removes the gate.
       min_history: samples a probe needs before it may take part in a decision (warm-up).
       headroom_limit: ``max_abs / finfo(dtype).max`` past which a probe is full risk by itself.
       trigger_risk: risk at or above which the policy downshifts FAST -> STABLE.
@@ -62,6 +71,8 @@ class Config:
     window: int = 128
     z_threshold: float = 5.0
     diff_threshold: float = 3.0
+    false_alarm_rate: float | None = 1e-3
+    diff_headroom: float = 2.0**-8
     min_history: int = 32
     headroom_limit: float = 0.5
     trigger_risk: float = 1.0
@@ -110,6 +121,19 @@ class Config:
             "diff_threshold",
             self.diff_threshold,
             "> 0 (about 60% of z_threshold)",
+        )
+        _check(
+            self.false_alarm_rate is None
+            or (is_num(self.false_alarm_rate) and 0 < self.false_alarm_rate < 0.5),
+            "false_alarm_rate",
+            self.false_alarm_rate,
+            "None or in (0, 0.5)",
+        )
+        _check(
+            is_num(self.diff_headroom) and 0 <= self.diff_headroom <= 1,
+            "diff_headroom",
+            self.diff_headroom,
+            "in [0, 1]",
         )
         _check(
             is_int(self.min_history) and 3 <= self.min_history,

@@ -43,7 +43,7 @@ class GearState(struct.PyTreeNode):
     sites: dict[str, jax.Array]  # i32[*site_shape] each site's own gear
     safe_left: dict[str, jax.Array]  # i32[*site_shape] steps left in SAFE
     safe_entries: dict[str, jax.Array]  # i32[*site_shape] SAFE entries so far (back-off)
-    calm: jax.Array  # i32[] consecutive calm, finite steps
+    calm: jax.Array  # i32[] consecutive calm, finite steps run in STABLE (nothing in SAFE)
     downshifts: jax.Array  # i32[] FAST -> STABLE transitions so far
     recoveries: jax.Array  # i32[] returns to FAST so far
 
@@ -95,6 +95,13 @@ def any_safe(gs: GearState) -> jax.Array:
     """True when the whole model or any site is in SAFE (the learning-rate factor applies)."""
     flags = [gs.level >= Gear.SAFE] + [jnp.any(g >= Gear.SAFE) for g in gs.sites.values()]
     return jnp.any(jnp.stack(flags))
+
+
+def _any_below_fast(level: jax.Array, sites: Mapping[str, jax.Array]) -> jax.Array:
+    """True when the global level or any site is below FAST (STABLE or SAFE)."""
+    return jnp.any(
+        jnp.stack([level > Gear.FAST] + [jnp.any(g > Gear.FAST) for g in sites.values()])
+    )
 
 
 def safe_dwell(entries: jax.Array, cfg: Config) -> jax.Array:
@@ -162,15 +169,18 @@ def decide(
     Detection comes first and is separate: ``risk`` is already computed. Then:
       - downshift FAST -> STABLE when ``risk >= trigger_risk`` or anything was non-finite;
       - every SAFE stay counts down; at zero the site (or the whole model) returns to STABLE;
-      - after ``recovery_window`` consecutive calm, finite steps with nothing in SAFE, every
-        STABLE gear returns to FAST. Recovery is staged: SAFE never jumps to FAST.
+      - a calm, finite step that *ran in STABLE* (something below FAST, nothing in SAFE) adds
+        one to the calm count; any other step resets it. After ``recovery_window`` such steps
+        in a row every STABLE gear returns to FAST. Recovery is staged: SAFE -> STABLE after
+        the SAFE stay, then a full ``recovery_window`` in STABLE, then FAST; steps spent in
+        SAFE never count toward leaving STABLE.
 
     Args:
       gs: the gears this step ran with.
       risk: f32[] overall risk in [0, 1].
       nonfinite: bool[] (or count) whether the step saw any non-finite value.
       cfg: thresholds.
-      calm: bool[] whether every z was below half its threshold; defaults to ``risk == 0``.
+      calm: bool[] the detector's calm flag (``Risk.calm``); defaults to ``risk == 0``.
 
     Returns:
       The gears for the next step.
@@ -180,6 +190,7 @@ def decide(
     calm = (risk <= 0.0) if calm is None else jnp.asarray(calm, bool)
     trigger = (risk >= cfg.trigger_risk) | bad
     downshift = trigger & (gs.level == Gear.FAST)
+    ran_in_stable = _any_below_fast(gs.level, gs.sites) & ~any_safe(gs)
     level = jnp.where(downshift, Gear.STABLE, gs.level)
 
     # SAFE stays count down whatever happens; leaving SAFE lands in STABLE (staged).
@@ -193,11 +204,10 @@ def decide(
         sites[name] = jnp.where(in_safe & (left <= 0), Gear.STABLE, g)
         safe_left[name] = jnp.maximum(left, 0)
 
-    calm_count = jnp.where(calm & ~trigger, _inc(gs.calm), 0)
+    calm_count = jnp.where(calm & ~trigger & ran_in_stable, _inc(gs.calm), 0)
     still_safe = [level >= Gear.SAFE] + [jnp.any(g >= Gear.SAFE) for g in sites.values()]
-    below = [level > Gear.FAST] + [jnp.any(g > Gear.FAST) for g in sites.values()]
     ready = (calm_count >= cfg.recovery_window) & ~jnp.any(jnp.stack(still_safe))
-    recover = ready & jnp.any(jnp.stack(below))
+    recover = ready & _any_below_fast(level, sites)
     level = jnp.where(recover, Gear.FAST, level)
     sites = {k: jnp.where(recover, Gear.FAST, g) for k, g in sites.items()}
     calm_count = jnp.where(recover, 0, calm_count)

@@ -1,7 +1,8 @@
 """The probe vector: five statistics of one tensor, their names, and every producer of them.
 
 A probe is ``f32[NUM_STATS]``: ``max_abs``, ``mean``, ``var``, ``nonfinite``, ``headroom``
-(``max_abs / finfo(dtype).max``; 1 once an inf is present). The detector scores ``max_abs``
+(``max_abs / finfo(dtype).max``; 1 once a ``+inf`` is present; a ``-inf`` mask fill is
+neither non-finite nor an overflow). The detector scores ``max_abs``
 against its EMA baseline and ``headroom`` against ``headroom_limit`` (docs/design.md, "Tier 1").
 Index a probe (or a stack of probes, ``[..., NUM_STATS]``) with the named indices below, never
 with bare integers.
@@ -53,6 +54,27 @@ def _finfo_max(dtype) -> float:
     return float(jnp.iinfo(dtype).max) if jnp.issubdtype(dtype, jnp.integer) else 1.0
 
 
+def nonfinite_count(xf: jax.Array) -> jax.Array:
+    """Elements that are NaN or ``+inf``; ``-inf`` is not counted.
+
+    ``-inf`` is the conventional mask fill (attention scores of masked keys, ``exp(-inf) = 0``):
+    an intentional value, not a fault. A real overflow toward ``-inf`` is seen coming through
+    the headroom of the finite values, and its consequences (NaN, ``+inf``) are counted here
+    and by the step's loss/gradient check.
+    """
+    bad = jnp.isnan(xf) | (xf == jnp.inf)
+    return jnp.sum(bad, dtype=jnp.float32)
+
+
+def headroom(max_abs: jax.Array, overflow: jax.Array, dtype) -> jax.Array:
+    """``max_abs / finfo(dtype).max`` of the finite values; 1 when a ``+inf`` is present.
+
+    Needs no baseline, so the detector uses it from the first step. ``-inf`` (a mask fill) does
+    not count as headroom 1 (see ``nonfinite_count``).
+    """
+    return jnp.where(overflow, 1.0, max_abs / _finfo_max(dtype))
+
+
 def stats(x: jax.typing.ArrayLike) -> jax.Array:
     """Probe statistics of one tensor, computed on device with ``lax`` reductions.
 
@@ -65,8 +87,9 @@ def stats(x: jax.typing.ArrayLike) -> jax.Array:
       x: any array.
 
     Returns:
-      f32[NUM_STATS]: ``max_abs``, ``mean``, ``var``, ``nonfinite`` (count), ``headroom``
-      (``max_abs / finfo(x.dtype).max``; inf counts as headroom 1).
+      f32[NUM_STATS]: ``max_abs`` (of the finite values), ``mean``, ``var``, ``nonfinite``
+      (count of NaN and ``+inf``; ``-inf`` mask fills excluded), ``headroom`` (``max_abs /
+      finfo(x.dtype).max``; a ``+inf`` counts as headroom 1, a ``-inf`` does not).
     """
     x = jnp.asarray(x)
     xf = x.astype(jnp.float32)
@@ -77,9 +100,8 @@ def stats(x: jax.typing.ArrayLike) -> jax.Array:
     mean = jnp.sum(xz) / n
     var = jnp.maximum(jnp.sum(jnp.square(xz)) / n - jnp.square(mean), 0.0)
     max_abs = jnp.max(jnp.abs(xz), initial=0.0)
-    nonfinite = jnp.float32(x.size) - count
-    headroom = jnp.where(jnp.any(jnp.isinf(xf)), 1.0, max_abs / _finfo_max(x.dtype))
-    return jnp.stack([max_abs, mean, var, nonfinite, headroom]).astype(jnp.float32)
+    head = headroom(max_abs, jnp.any(xf == jnp.inf), x.dtype)
+    return jnp.stack([max_abs, mean, var, nonfinite_count(xf), head]).astype(jnp.float32)
 
 
 def op_stats(x: jax.Array) -> jax.Array:

@@ -391,7 +391,8 @@ class Trainer:
             self.log.append(
                 "transient",
                 done.step,
-                detail="replay produced no non-finite value: suspect hardware or non-determinism",
+                detail=getattr(report, "reason", None)
+                or "replay produced no non-finite value: suspect hardware or non-determinism",
             )
         elif decision.kind in ("located", "repeat"):
             self._save_incident(done.step, before, batch)

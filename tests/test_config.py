@@ -22,6 +22,11 @@ def test_defaults_match_spec():
     assert cfg.trigger_risk == 1.0
     assert 30 <= cfg.lr_cooldown <= 50
     assert cfg.alpha == pytest.approx(2 / 129)
+    # Beyond SPEC's table: the calibration of tier 1 (issue 12). The thresholds above are
+    # floors; the target rate and the headroom gate of the second difference decide.
+    assert cfg.false_alarm_rate == 1e-3
+    assert cfg.diff_headroom == 2.0**-8
+    assert Config(false_alarm_rate=None).false_alarm_rate is None
 
 
 def test_frozen_and_hashable():
@@ -41,6 +46,12 @@ def test_frozen_and_hashable():
         ("z_threshold", float("nan")),
         ("diff_threshold", -1.0),
         ("min_history", 2),
+        ("false_alarm_rate", 0.0),
+        ("false_alarm_rate", 0.5),
+        ("false_alarm_rate", float("inf")),
+        ("false_alarm_rate", "1e-3"),
+        ("diff_headroom", -0.1),
+        ("diff_headroom", 2.0),
         ("headroom_limit", 1.5),
         ("trigger_risk", 0.0),
         ("lr_cooldown", -1),

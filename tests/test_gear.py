@@ -116,6 +116,51 @@ def test_gear_state_round_trips_through_jit():
 
 
 def test_counters_saturate():
-    gs = _state().replace(calm=jnp.int32(G.MAX_I32))
-    gs = G.decide(gs, 0.0, False, CFG)
-    assert int(gs.calm) == G.MAX_I32  # held at the top, not wrapped to a negative count
+    gs = _state().replace(downshifts=jnp.int32(G.MAX_I32))
+    gs = G.decide(gs, 1.0, False, CFG)  # a downshift FAST -> STABLE counts one more
+    assert int(gs.level) == Gear.STABLE
+    assert int(gs.downshifts) == G.MAX_I32  # held at the top, not wrapped to a negative count
+
+
+LONG_SAFE = Config(safe_max_steps=10, recovery_window=5)
+
+
+def _levels(gs, n, cfg, site=None):
+    out = []
+    for _ in range(n):
+        gs = G.decide(gs, 0.0, False, cfg, calm=True)
+        out.append(int(gs.level if site is None else G.effective(gs, site)))
+    return gs, out
+
+
+@pytest.mark.parametrize("where", ["site", "global"])
+def test_a_safe_stay_longer_than_the_window_still_spends_the_window_in_stable(where):
+    # SPEC: SAFE -> STABLE after safe_max_steps, then recovery_window calm steps *in STABLE*.
+    cfg = LONG_SAFE
+    if where == "site":
+        gs, site = G.set_site(_state(), "attn", Gear.SAFE, cfg=cfg), "attn"
+    else:
+        gs, site = G.set_level(_state(), Gear.SAFE, cfg), None
+    gs, levels = _levels(gs, cfg.safe_max_steps + cfg.recovery_window, cfg, site)
+    safe, stable = cfg.safe_max_steps - 1, cfg.recovery_window
+    assert levels == [Gear.SAFE] * safe + [Gear.STABLE] * stable + [Gear.FAST]
+    assert int(gs.recoveries) == 1
+
+
+def test_calm_steps_in_fast_or_safe_do_not_count():
+    cfg = LONG_SAFE
+    gs, _ = _levels(_state(), 50, cfg)  # a long calm stretch in FAST
+    assert int(gs.calm) == 0
+    gs = G.decide(gs, 1.0, False, cfg)  # a (false) alarm
+    gs, levels = _levels(gs, cfg.recovery_window, cfg)
+    # The alarm costs exactly one recovery window in STABLE.
+    assert levels == [Gear.STABLE] * (cfg.recovery_window - 1) + [Gear.FAST]
+
+
+def test_an_alarm_in_stable_restarts_the_window():
+    gs = G.decide(_state(), 1.0, False, LONG_SAFE)
+    gs, _ = _levels(gs, LONG_SAFE.recovery_window - 1, LONG_SAFE)
+    gs = G.decide(gs, 1.0, False, LONG_SAFE)
+    assert int(gs.level) == Gear.STABLE and int(gs.calm) == 0 and int(gs.downshifts) == 1
+    gs, levels = _levels(gs, LONG_SAFE.recovery_window, LONG_SAFE)
+    assert levels[-2:] == [Gear.STABLE, Gear.FAST]

@@ -34,6 +34,7 @@ __all__ = [
     "cond_branches",
     "empty_name_stack",
     "eqn_name_stack",
+    "eqn_user_frames",
     "eqn_user_source",
     "has_sub_jaxpr",
     "is_literal",
@@ -41,6 +42,8 @@ __all__ = [
     "literal_value",
     "open_jaxpr",
     "scan_params",
+    "shard_map",
+    "shard_map_params",
     "while_params",
 ]
 
@@ -173,6 +176,14 @@ def eqn_user_source(eqn: Any) -> str | None:
     return f"{frame.file_name}:{frame.start_line}"
 
 
+def eqn_user_frames(eqn: Any) -> list[tuple[str, int]]:
+    """``[(file, line)]`` of the non-JAX frames that traced ``eqn``, innermost first."""
+    tb = eqn.source_info.traceback
+    if tb is None:
+        return []
+    return [(f.file_name, f.start_line) for f in _siu.user_frames(tb)]
+
+
 def bind_eqn(eqn: Any, invals: Sequence[Any], name_stack: Any) -> list[Any]:
     """Applies ``eqn``'s primitive to ``invals``, as ``jax._src.core.eval_jaxpr`` does."""
     params = eqn.primitive.get_bind_params(eqn.params)
@@ -191,3 +202,40 @@ def jit_with_options(fn: Any, compiler_options: dict[str, Any] | None) -> Any:
     if compiler_options:
         return jax.jit(fn, compiler_options=compiler_options)
     return jax.jit(fn)
+
+
+def shard_map_params(eqn: Any) -> dict[str, Any]:
+    """Normalized parameters of a ``shard_map`` equation (jax.pmap lowers to one, jax >= 0.8):
+    ``mesh``, ``in_specs``, ``out_specs``, ``axes`` (the manual mesh axes, in mesh order),
+    ``check_vma`` and the body ``jaxpr`` (open) with its ``consts``."""
+    p = eqn.params
+    jaxpr, consts = open_jaxpr(p["jaxpr"])
+    mesh = p["mesh"]
+    manual = p.get("newly_manual_axes", p.get("axis_names", frozenset(mesh.axis_names)))
+    axes = tuple(a for a in mesh.axis_names if a in manual)
+    return dict(
+        mesh=mesh,
+        in_specs=tuple(p["in_specs"]),
+        out_specs=tuple(p["out_specs"]),
+        axes=axes,
+        check_vma=p.get("check_vma", p.get("check_rep", True)),
+        jaxpr=jaxpr,
+        consts=consts,
+    )
+
+
+def shard_map(fn: Any, mesh: Any, in_specs: Any, out_specs: Any, axes: Any, check_vma: bool):
+    """``jax.shard_map`` (``jax.experimental.shard_map.shard_map`` before jax 0.7)."""
+    sm = getattr(jax, "shard_map", None)
+    if sm is not None:
+        return sm(
+            fn,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names=frozenset(axes),
+            check_vma=check_vma,
+        )
+    from jax.experimental.shard_map import shard_map as old  # pragma: no cover
+
+    return old(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check_vma)

@@ -14,7 +14,15 @@ import numpy as np
 
 from nan2safe_jax.runlog.events import to_jsonable
 
-DIAGNOSES = ("overflow", "0/0", "division by ~0", "log/sqrt domain", "polluted input", "other")
+DIAGNOSES = (
+    "overflow",
+    "0/0",
+    "division by ~0",
+    "log/sqrt domain",
+    "polluted input",
+    "constant",
+    "other",
+)
 NOT_REPRODUCIBLE = "not reproducible: suspect hardware or non-determinism"
 CHANNEL_LIMIT = 64  # indices kept per axis in Report.channels
 
@@ -40,6 +48,7 @@ class EqnRef:
     site: str | None
     direction: str
     eqn_path: tuple
+    user_source: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -80,7 +89,13 @@ class Report:
       explanation: a human sentence with the numbers behind the diagnosis.
       replays: number of jitted segment evaluations this localization ran.
       seconds: wall time of the localization, including every compile.
-      reproducible: False when the replay produced no non-finite value at all (``locate_step``).
+      reproducible: False when the replay did not reproduce the production step (``locate_step``):
+        it produced no non-finite value at all, or its outputs' finiteness differs.
+      reason: why ``reproducible`` is False.
+      user_source: ``"file.py:LINE"`` of the innermost frame outside JAX, Flax and nan2safe_jax
+        that traced the equation: for an equation of a ``nan2safe.nn`` site (whose ``source`` is a
+        line of nan2safe_jax), the model code that called the site.
+      shard: inside a ``shard_map``, the linear index of the shard whose body made the value.
       input_path: for ``"polluted input"``, the ``jax.tree_util.keystr`` of the first bad argument.
     """
 
@@ -102,6 +117,10 @@ class Report:
     input_path: str | None = None
     output_shape: tuple[int, ...] | None = None
     channels_truncated: dict[int, int] = dataclasses.field(default_factory=dict)
+    user_source: str | None = None
+    reason: str | None = None
+    shard: int | None = None
+    device: str | None = None
 
     @classmethod
     def no_equation(cls, **fields: Any) -> Report:
@@ -134,13 +153,19 @@ class Report:
             lines.append(f"polluted input: argument {self.input_path} holds {self.kind} values")
         elif not self.reproducible:
             lines.append(self.diagnosis)
+            if self.reason and self.reason != self.diagnosis:
+                lines.append(f"  reason: {self.reason}")
         else:
             lines.append(
                 f"{self.kind} first produced by `{self.primitive}` ({self.direction}) "
                 f"at {self.source}"
             )
+            if self.user_source and self.user_source != self.source:
+                lines.append(f"  called from: {self.user_source}")
             lines.append(f"  name stack: {self.name_stack or '-'}   site: {self.site or '-'}")
             lines.append(f"  eqn path: {_path_str(self.eqn_path)}")
+            if self.shard is not None:
+                lines.append(f"  shard: {self.shard} (device {self.device or '-'})")
             for i, s in enumerate(self.inputs):
                 lines.append(f"  input {i}: {_stats_str(s)}")
             if self.output_shape is not None:
@@ -347,10 +372,3 @@ def _stats_str(s: dict) -> str:
 def _json_safe(d: dict) -> dict:
     return {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in d.items()}
 
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, tuple):
-        return list(o)
-    return str(o)

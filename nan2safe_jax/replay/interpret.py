@@ -1,0 +1,312 @@
+"""The replay interpreter: evaluates a jaxpr equation by equation, itself traced under ``jax.jit``.
+
+One walk runs in one of three modes (``Ctx.mode``):
+
+* ``"plain"``: each equation is bound as it is, higher-order ones included (their original
+  parameters, so a loop stays the production loop).
+* ``"flags"``: every float value gets a *code* (0 finite, 1 has +-inf but no NaN, 2 has NaN),
+  reduced right where the value is produced (one integer max-reduction that XLA fuses into the
+  producer). A walk returns two bools per equation ("non-finite output from finite inputs",
+  "NaN output from NaN-free inputs"): O(#equations) outputs over the step's own live set, never
+  an array proportional to the sum of the intermediates. Loops (``scan``, ``while``) are
+  instrumented in place by their rule (``rules.py``), which also returns the first flagged step
+  (a NaN made in a while condition only steers the loop: no result shows it). Other higher-order
+  equations (branches, maps) are flagged from their operands and results like a primitive; their
+  body is instrumented only when the search enters it.
+* ``"capture"``: the walk stops once the target equations have run and returns their inputs and
+  outputs.
+
+Call-like equations (``jit``, ``remat``, ``custom_jvp_call`` ...) are inlined, so the *flat*
+equations of a walk are its primitives and its loop / branch / map equations, counted in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nan2safe_jax.replay import _jax_compat as jc
+from nan2safe_jax.replay import rules
+
+__all__ = ["MODES", "Ctx", "Stop", "first_step", "no_step", "preserves", "value_code", "walk"]
+
+
+class Stop(Exception):  # noqa: N818 - control flow, not an error
+    """Raised by a capture walk once every target has been captured (the rest is not traced)."""
+
+    def __init__(self, payload: dict[int, Any]):
+        super().__init__()
+        self.payload = payload
+
+
+def inexact(x: Any) -> bool:
+    """Whether ``x`` has a float or complex dtype (the only values that can be non-finite)."""
+    try:
+        return bool(jax.dtypes.issubdtype(jnp.result_type(x), jnp.inexact))
+    except (TypeError, ValueError):
+        return False
+
+
+def _is_static(x: Any) -> bool:
+    return isinstance(x, (int, float, complex, np.ndarray, np.generic))
+
+
+def value_code(x: Any) -> Any:
+    """int8 scalar: 0 if ``x`` is finite, 1 if it holds +-inf but no NaN, 2 if it holds a NaN.
+
+    One integer max-reduction, which XLA fuses into the producer of ``x``. (A float ``max |x|``
+    would be one op less, but XLA:CPU's vectorized float max-reduction drops NaNs on large
+    arrays, jax 0.10.2.)
+    """
+    if np.size(x) == 0:
+        return jnp.zeros((), jnp.int8)
+    return jnp.max(jnp.where(jnp.isnan(x), jnp.int8(2), jnp.isinf(x).astype(jnp.int8)))
+
+
+def static_code(x: Any) -> int:
+    """The code of a literal or host constant."""
+    a = np.asarray(x)
+    if not inexact(a):
+        return 0
+    return 2 if np.isnan(a).any() else int(not np.isfinite(a).all())
+
+
+Ref = tuple  # (static code, frozenset of indices into Ctx.vals): a value's code is their max
+
+
+class Ctx:
+    """State of one walk (see the module docstring for the modes).
+
+    In ``"flags"`` mode each traced float value is registered once in ``vals`` (codes computed by
+    ``codes()``); outputs of value-preserving equations reuse their inputs' references instead.
+    ``recs`` holds per flat equation ``("eqn", in_ref, out_ref)``, or ``("given", bool[3])`` for a
+    loop instrumented in place (its rule computed its flags; its first flagged steps are in
+    ``steps``).
+    """
+
+    def __init__(self, mode: str, targets: dict[int, Any] | None = None):
+        self.mode = mode
+        self.targets = targets or {}  # capture: flat index -> traced step (or None)
+        self.payloads: dict[int, Any] = {}
+        self.count = 0
+        self.vals: list[Any] = []
+        self.recs: list[tuple] = []
+        self.steps: dict[int, Any] = {}  # flat index of an eagerly instrumented loop -> int32[3]
+        self._memo: dict[int, tuple[Any, Ref]] = {}
+        self._codes: Any = None
+        self._flags: tuple[Any, Any] | None = None
+
+    # -- codes ------------------------------------------------------------------------------
+    def ref(self, x: Any) -> Ref:
+        """The code reference of ``x`` (registering it for a reduction if needed)."""
+        if not inexact(x):
+            return (0, frozenset())
+        if _is_static(x):
+            return (static_code(x), frozenset())
+        hit = self._memo.get(id(x))
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        r = (0, frozenset({len(self.vals)}))
+        self.vals.append(x)
+        self._memo[id(x)] = (x, r)
+        return r
+
+    def union(self, xs: Sequence[Any]) -> Ref:
+        code, idx = 0, frozenset()
+        for x in xs:
+            c, i = self.ref(x)
+            code, idx = max(code, c), idx | i
+        return code, idx
+
+    def derive(self, x: Any, r: Ref) -> None:
+        """Records that ``x``'s code is ``r`` (known from its inputs: no reduction needed)."""
+        if inexact(x) and not _is_static(x):
+            self._memo[id(x)] = (x, r)
+
+    def codes(self) -> Any:
+        """int8[len(vals)]: the code of every registered value, each reduced where produced."""
+        if self._codes is None:
+            if not self.vals:
+                self._codes = jnp.zeros((0,), jnp.int8)
+            else:
+                self._codes = jnp.stack([value_code(v) for v in self.vals])
+        return self._codes
+
+    def code_of(self, r: Ref) -> Any:
+        """The (traced) code of a reference."""
+        code, idx = r
+        if not idx:
+            return jnp.asarray(code, jnp.int8)
+        c = self.codes()[np.asarray(sorted(idx))].max()
+        return jnp.maximum(c, jnp.int8(code))
+
+    # -- per-equation records ---------------------------------------------------------------
+    def record(self, in_ref: Ref | None, out_ref: Ref | None) -> None:
+        self.recs.append(("eqn", in_ref, out_ref))
+
+    def finalize(self) -> tuple[Any, Any, Any]:
+        """``(root, nan, literal)``: bool[count] flags of every flat equation of this walk.
+
+        ``literal``: a non-finite output whose only non-finite inputs are literals or constants
+        known at trace time (e.g. ``x + jnp.nan``). The per-equation maxima are O(#equations)
+        gathers over the int8 codes.
+        """
+        if self._flags is not None:
+            return self._flags
+        m = len(self.recs)
+        if m == 0:
+            z = jnp.zeros((1,), bool)
+            self._flags = (z, z, z)
+            return self._flags
+        codes = self.codes()
+        in_static = np.zeros(m, np.int8)
+        out_static = np.zeros(m, np.int8)
+        live = np.zeros(m, bool)
+        gi, si, go, so = [], [], [], []
+        for k, rec in enumerate(self.recs):
+            if rec[0] != "eqn" or rec[2] is None:
+                continue
+            live[k] = True
+            (ci, ii), (co, oi) = rec[1], rec[2]
+            in_static[k], out_static[k] = ci, co
+            gi += sorted(ii)
+            si += [k] * len(ii)
+            go += sorted(oi)
+            so += [k] * len(oi)
+
+        def gather_max(idx, seg, static):
+            if not idx:
+                return jnp.asarray(static)
+            g = jax.ops.segment_max(codes[np.asarray(idx)], np.asarray(seg, np.int32), m)
+            return jnp.maximum(g, jnp.asarray(static))
+
+        traced_in = gather_max(gi, si, np.zeros(m, np.int8))
+        cin = jnp.maximum(traced_in, jnp.asarray(in_static))
+        cout = gather_max(go, so, out_static)
+        root = (cout > 0) & (cin == 0) & live
+        nan = (cout == 2) & (cin < 2) & live
+        literal = (cout > 0) & (traced_in == 0) & jnp.asarray((in_static > 0) & live)
+        given = [(k, rec[1]) for k, rec in enumerate(self.recs) if rec[0] == "given"]
+        if given:
+            ks = np.asarray([k for k, _ in given])
+            hit = jnp.stack([h for _, h in given])  # [n_given, 3]
+            root = root.at[ks].set(hit[:, 0])
+            nan = nan.at[ks].set(hit[:, 1])
+            literal = literal.at[ks].set(hit[:, 2])
+        self._flags = (root, nan, literal)
+        return self._flags
+
+    def any_flags(self) -> Any:
+        """bool[3]: whether any equation of this walk is flagged root / nan / literal."""
+        return jnp.stack([jnp.any(f) for f in self.finalize()])
+
+
+# Primitives whose output holds exactly the values of their inputs (each input element appears at
+# least once, nothing is computed): the output is finite iff every input is, so the flags walk
+# derives their code instead of reducing over them (a third of a train step's equations).
+_PRESERVING = frozenset(
+    {"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "copy", "copy_p"}
+    | {"rev", "concatenate", "neg", "optimization_barrier"}
+)
+
+
+def preserves(eqn: Any) -> bool:
+    """Whether ``eqn``'s outputs are finite exactly when all its inputs are."""
+    name = eqn.primitive.name
+    if name in _PRESERVING:
+        return all(d > 0 for v in eqn.outvars for d in getattr(v.aval, "shape", ()))
+    if name == "convert_element_type":  # widening float -> float keeps every value
+        src = eqn.invars[0].aval.dtype
+        dst = eqn.params["new_dtype"]
+        try:
+            return bool(
+                jnp.issubdtype(src, jnp.floating)
+                and jnp.issubdtype(dst, jnp.floating)
+                and jnp.finfo(dst).max >= jnp.finfo(src).max
+                and jnp.finfo(dst).bits >= jnp.finfo(src).bits
+            )
+        except (TypeError, ValueError):
+            return False
+    return False
+
+
+def walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: Ctx, ns: Any) -> list:
+    """Evaluates ``jaxpr`` on ``consts`` and ``args`` in ``ctx.mode``; returns its outputs.
+
+    Args:
+      jaxpr: an open ``Jaxpr``.
+      consts: values of its constvars; args: values of its invars.
+      ctx: the walk's state; flat equations are numbered from ``ctx.count``.
+      ns: the name stack the jaxpr is called under.
+    """
+    env: dict[Any, Any] = {}
+
+    def read(a: Any) -> Any:
+        return jc.literal_value(a) if jc.is_literal(a) else env[a]
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        invals = [read(a) for a in eqn.invars]
+        ens = jc.eqn_name_stack(eqn, ns)
+        rule = rules.rule_for(eqn)
+        if rule is not None and rule.kind == "call":
+            body, body_consts = rule.body(eqn)
+            outs = walk(body, body_consts, invals, ctx, ens)
+        else:
+            k = ctx.count
+            ctx.count += 1
+            if ctx.mode == "flags" and rule is not None and rule.eager:
+                outs, steps = rule.flags(eqn, invals, ens)
+                ctx.steps[k] = steps
+                ctx.recs.append(("given", steps >= 0))
+            elif ctx.mode == "flags":
+                outs = _flags_eqn(eqn, invals, ens, ctx)
+            else:
+                outs = jc.bind_eqn(eqn, invals, ens)
+            if ctx.mode == "capture" and k in ctx.targets:
+                ctx.payloads[k] = [list(invals), list(outs)]
+                if len(ctx.payloads) == len(ctx.targets):
+                    raise Stop(ctx.payloads)
+        for v, o in zip(eqn.outvars, outs, strict=True):
+            env[v] = o
+    return [read(a) for a in jaxpr.outvars]
+
+
+def _flags_eqn(eqn: Any, invals: list, ns: Any, ctx: Ctx) -> list:
+    """Binds ``eqn`` and records its flags from its inputs' and outputs' codes.
+
+    A higher-order equation (loop, branch, map) is flagged like any other here, from its operands
+    and results: a non-finite value made inside its body matters only if it reaches a result,
+    and then the equation is flagged and the search instruments its body in a replay of its own
+    (``Session.step_flags``). So the flags replay reduces only the level's own values.
+    """
+    in_ref = ctx.union(invals)
+    outs = jc.bind_eqn(eqn, invals, ns)
+    if preserves(eqn):  # exact without a reduction: out finite <=> all inputs finite
+        for o in outs:
+            ctx.derive(o, in_ref)
+        ctx.record(None, None)
+    else:
+        ctx.record(in_ref, ctx.union(outs))
+    return outs
+
+
+MODES = ("root", "nan", "literal")  # the three flags, in the order of ``Ctx.finalize``
+
+
+def no_step() -> Any:
+    """int32[3] of -1: no flagged step yet for any of the three flags."""
+    return jnp.full((3,), -1, jnp.int32)
+
+
+def first_step(first: Any, hit: Any, step: Any) -> Any:
+    """Per flag: ``step`` if nothing was flagged before (``first < 0``) and ``hit``; else
+    ``first`` (``first`` int32[3], ``hit`` bool[3])."""
+    return jnp.where((first < 0) & hit, step, first)

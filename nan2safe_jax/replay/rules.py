@@ -1,0 +1,377 @@
+"""One rule per higher-order primitive: how the replay evaluates, instruments and enters it.
+
+Like ``jax.experimental.checkify``'s rule tables, ``RULES`` maps a primitive name to a ``Rule``;
+the interpreter (``interpret.walk``) and the search (``search.py``) dispatch through it and hold
+no per-primitive branches. A rule of kind:
+
+* ``"call"`` (``jit``, ``closed_call``, ``remat``/``checkpoint``, ``custom_jvp_call``,
+  ``custom_vjp_call``): calls one jaxpr once; the interpreter inlines it (same primal values).
+* ``"step"`` (``scan``, ``while``, ``cond``, ``shard_map``): evaluates a body several times or
+  picks one. ``flags`` runs the instrumented body inside the same construct and returns the first
+  flagged *step* for each flag (-1: none), ``capture`` returns the body's inputs at a given
+  (traced) step, ``enter`` turns a concrete step and those inputs into the sub-level to search.
+
+Steps: a ``scan`` step is the index along the scanned axis; a ``while`` step ``s`` is condition
+evaluation ``s // 2`` when ``s`` is even and iteration ``s // 2`` when odd (evaluation ``t`` of the
+condition runs before iteration ``t``, so the earlier of the two wins); a ``cond`` step is the
+branch index; a ``shard_map`` step is the shard's linear index over the mapped mesh axes.
+
+A higher-order primitive without a rule (``pallas_call``, ``custom_transpose``, ...) is evaluated
+as one opaque equation and blamed as a whole when its outputs go bad.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from nan2safe_jax.replay import _jax_compat as jc
+from nan2safe_jax.replay import interpret as it
+
+__all__ = ["COMBINER", "OPAQUE", "RULES", "Rule", "ShardCtx", "rule_for"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How the replay handles one higher-order primitive (see the module docstring).
+
+    Attributes:
+      kind: ``"call"`` or ``"step"``.
+      body: call rules: ``eqn -> (Jaxpr, consts)`` of the called jaxpr.
+      flags: step rules: ``(eqn, invals, name_stack) -> (outs, steps)``, ``steps`` int32[3]: the
+        first step flagged root, nan and literal (``interpret.MODES``), -1 for none.
+      capture: step rules: ``(eqn, invals, name_stack, traced_step) -> captured values``.
+      enter: step rules: ``(eqn, step, captured) -> (path_element, Jaxpr, consts, args)``.
+      pick: step rules whose step is known from the operands alone (``cond``: the branch index):
+        ``(eqn, invals) -> step``; the search then needs neither ``flags`` nor ``capture``.
+      eager: instrument the body inside the level's own flags replay (loops: a non-finite value
+        made in a while condition reaches no result, so only in-place flags can see it; a loop
+        body is one compiled body, unlike the three branches of a gear switch).
+      context: ``(eqn, step) -> ShardCtx``: the sub-level's replays must run inside this
+        construct (a ``shard_map`` body holds collectives).
+    """
+
+    kind: str
+    body: Callable[..., Any] | None = None
+    flags: Callable[..., Any] | None = None
+    capture: Callable[..., Any] | None = None
+    enter: Callable[..., Any] | None = None
+    pick: Callable[..., Any] | None = None
+    eager: bool = False
+    context: Callable[..., Any] | None = None
+
+
+def _coerce(x: Any, var: Any) -> Any:
+    """A literal operand as an array of its variable's dtype (loop carries must match exactly)."""
+    if isinstance(x, (bool, int, float, complex, np.ndarray, np.generic)):
+        return jnp.asarray(x, var.aval.dtype)
+    return x
+
+
+# ---------------------------------------------------------------------------------- call
+
+
+def _call_body(eqn: Any) -> tuple[Any, Any]:
+    body = jc.call_body(eqn)
+    assert body is not None  # rule_for only returns a call rule when there is a body
+    return body
+
+
+CALL = Rule("call", body=_call_body)
+
+
+# ---------------------------------------------------------------------------------- scan
+
+
+def _scan_split(eqn: Any, invals: list) -> tuple[dict, list, list, list]:
+    sp = jc.scan_params(eqn)
+    nc, ncar = sp["num_consts"], sp["num_carry"]
+    init = [
+        _coerce(x, v)
+        for x, v in zip(invals[nc : nc + ncar], eqn.invars[nc : nc + ncar], strict=True)
+    ]
+    return sp, invals[:nc], init, invals[nc + ncar :]
+
+
+def _scan_flags(eqn: Any, invals: list, ns: Any) -> tuple[list, Any]:
+    sp, consts, init, xs = _scan_split(eqn, invals)
+    ncar, length = sp["num_carry"], sp["length"]
+
+    def body(carry, x):
+        i, first, c = carry
+        sub = it.Ctx("flags")
+        outs = it.walk(sp["jaxpr"], sp["consts"], [*consts, *c, *x], sub, ns)
+        t = (length - 1 - i) if sp["reverse"] else i  # index along the scanned axis
+        return (i + 1, it.first_step(first, sub.any_flags(), t), outs[:ncar]), outs[ncar:]
+
+    (_, first, c), ys = lax.scan(
+        body,
+        (jnp.asarray(0, jnp.int32), it.no_step(), list(init)),
+        list(xs),
+        length=length,
+        reverse=sp["reverse"],
+        unroll=sp["unroll"],
+    )
+    return [*c, *ys], first
+
+
+def _scan_capture(eqn: Any, invals: list, ns: Any, t: Any) -> list:
+    """Body inputs of the iteration at index ``t`` of the scanned axis (``t`` traced: one compile
+    serves every iteration)."""
+    sp, consts, init, xs = _scan_split(eqn, invals)
+    ncar, length, rev = sp["num_carry"], sp["length"], sp["reverse"]
+
+    def body(i, c):
+        idx = (length - 1 - i) if rev else i
+        x = [lax.dynamic_index_in_dim(a, idx, keepdims=False) for a in xs]
+        return it.walk(sp["jaxpr"], sp["consts"], [*consts, *c, *x], it.Ctx("plain"), ns)[:ncar]
+
+    n = (length - 1 - t) if rev else t
+    c = lax.fori_loop(0, n, body, list(init))
+    return [*consts, *c, *[lax.dynamic_index_in_dim(a, t, keepdims=False) for a in xs]]
+
+
+def _scan_enter(eqn: Any, step: int, captured: list) -> tuple:
+    sp = jc.scan_params(eqn)
+    return ("iter", step), sp["jaxpr"], list(sp["consts"]), list(captured)
+
+
+SCAN = Rule("step", flags=_scan_flags, capture=_scan_capture, enter=_scan_enter, eager=True)
+
+
+# ---------------------------------------------------------------------------------- while
+
+
+def _while_split(eqn: Any, invals: list) -> tuple[dict, list, list, list]:
+    wp = jc.while_params(eqn)
+    cn, bn = wp["cond_nconsts"], wp["body_nconsts"]
+    init = [_coerce(x, v) for x, v in zip(invals[cn + bn :], eqn.invars[cn + bn :], strict=True)]
+    return wp, invals[:cn], invals[cn : cn + bn], init
+
+
+def _while_flags(eqn: Any, invals: list, ns: Any) -> tuple[list, Any]:
+    """The loop with its body *and* its condition instrumented: condition evaluation ``t`` is step
+    ``2t``, iteration ``t`` step ``2t + 1``. The condition is evaluated inside the body (and once
+    before the loop) because a ``while_loop`` condition may return nothing but its predicate."""
+    wp, cc, bc, init = _while_split(eqn, invals)
+
+    def cond_eval(c):
+        sub = it.Ctx("flags")
+        pred = it.walk(wp["cond_jaxpr"], wp["cond_consts"], [*cc, *c], sub, ns)[0]
+        return pred, sub.any_flags()
+
+    def body(s):
+        _, i, first, c = s
+        sub = it.Ctx("flags")
+        c = it.walk(wp["body_jaxpr"], wp["body_consts"], [*bc, *c], sub, ns)
+        first = it.first_step(first, sub.any_flags(), 2 * i + 1)
+        pred, hit = cond_eval(c)
+        return pred, i + 1, it.first_step(first, hit, 2 * i + 2), c
+
+    pred, hit = cond_eval(init)
+    start = (pred, jnp.asarray(0, jnp.int32), it.first_step(it.no_step(), hit, 0), list(init))
+    _, _, first, c = lax.while_loop(lambda s: s[0], body, start)
+    return list(c), first
+
+
+def _while_capture(eqn: Any, invals: list, ns: Any, s: Any) -> list:
+    """Condition and body constants and the carry before step ``s`` (after ``s // 2`` iterations:
+    a flagged step implies the condition held for every earlier iteration)."""
+    wp, cc, bc, init = _while_split(eqn, invals)
+    t = s // 2
+
+    def body(state):
+        i, c = state
+        return i + 1, it.walk(wp["body_jaxpr"], wp["body_consts"], [*bc, *c], it.Ctx("plain"), ns)
+
+    _, c = lax.while_loop(lambda st: st[0] < t, body, (jnp.asarray(0, jnp.int32), list(init)))
+    return [*cc, *bc, *c]
+
+
+def _while_enter(eqn: Any, step: int, captured: list) -> tuple:
+    wp = jc.while_params(eqn)
+    cn, bn = wp["cond_nconsts"], wp["body_nconsts"]
+    cc, bc, carry = captured[:cn], captured[cn : cn + bn], captured[cn + bn :]
+    if step % 2 == 0:
+        return ("cond", step // 2), wp["cond_jaxpr"], list(wp["cond_consts"]), [*cc, *carry]
+    return ("iter", step // 2), wp["body_jaxpr"], list(wp["body_consts"]), [*bc, *carry]
+
+
+WHILE = Rule("step", flags=_while_flags, capture=_while_capture, enter=_while_enter, eager=True)
+
+
+# ---------------------------------------------------------------------------------- cond
+
+
+def _cond_flags(eqn: Any, invals: list, ns: Any) -> tuple[list, Any]:
+    index, ops = invals[0], invals[1:]
+
+    def branch(j, consts):
+        def run(*o):
+            sub = it.Ctx("flags")
+            outs = it.walk(j, consts, o, sub, ns)
+            return outs, sub.any_flags()
+
+        return run
+
+    outs, hit = lax.switch(index, [branch(j, c) for j, c in jc.cond_branches(eqn)], *ops)
+    return list(outs), it.first_step(it.no_step(), hit, jnp.asarray(index, jnp.int32))
+
+
+def _cond_capture(eqn: Any, invals: list, ns: Any, step: Any) -> list:
+    return list(invals[1:])
+
+
+def _cond_enter(eqn: Any, step: int, captured: list) -> tuple:
+    j, consts = jc.cond_branches(eqn)[step]
+    return ("branch", step), j, list(consts), list(captured)
+
+
+def _cond_pick(eqn: Any, invals: list) -> int:
+    return int(np.asarray(invals[0]))
+
+
+COND = Rule("step", flags=_cond_flags, capture=_cond_capture, enter=_cond_enter, pick=_cond_pick)
+
+
+# ---------------------------------------------------------------------------------- shard_map
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardCtx:
+    """A level inside a ``shard_map`` body: its replays run under the same ``shard_map`` (so
+    collectives work) on *stacked* per-shard values (leading axis: the shard's linear index over
+    the manual mesh axes), and keep the results of shard ``index`` only."""
+
+    mesh: Any
+    axes: tuple
+    check_vma: bool
+    index: int
+
+    @property
+    def size(self) -> int:
+        return int(np.prod([self.mesh.shape[a] for a in self.axes]))
+
+    def device(self) -> str | None:
+        """The device of shard ``index`` when every mesh axis is manual."""
+        if set(self.axes) != set(self.mesh.axis_names):
+            return None
+        return str(np.asarray(self.mesh.devices).reshape(-1)[self.index])
+
+    def wrap(self, fn: Any, stacked: tuple[bool, ...]) -> Any:
+        """``fn(*args)`` on one shard's values -> the same on every shard under the
+        ``shard_map``, results stacked; ``stacked[i]``: argument ``i`` is stacked (else it is
+        passed to every shard as is)."""
+        spec = _shard_spec(self.axes)
+
+        def per_shard(*args):
+            local = [
+                jax.tree.map(lambda b: b[0], a) if st else a
+                for a, st in zip(args, stacked, strict=True)
+            ]
+            out = fn(*local)
+            return jax.tree.map(lambda o: jnp.expand_dims(jnp.asarray(o), 0), out)
+
+        def run(*args):
+            specs = tuple(spec if st else P() for st in stacked)
+            return jc.shard_map(per_shard, self.mesh, specs, spec, self.axes, self.check_vma)(*args)
+
+        return run
+
+
+def _shard_spec(axes: tuple) -> Any:
+    return P(axes if len(axes) > 1 else axes[0])
+
+
+def _shard_flags(eqn: Any, invals: list, ns: Any) -> tuple[list, Any]:
+    """Runs the ``shard_map`` with its body instrumented. Shards run side by side, so the step is
+    the shard whose first flagged equation comes first in the body (lowest shard on a tie): a
+    NaN made by ``log`` on shard 2 reaches every shard through a ``psum`` after it, and every
+    shard's ``psum`` then looks like a root."""
+    p = jc.shard_map_params(eqn)
+    big = jnp.iinfo(jnp.int32).max
+
+    def body(*args):
+        sub = it.Ctx("flags")
+        outs = it.walk(p["jaxpr"], p["consts"], list(args), sub, ns)
+        flags = sub.finalize()
+        first = [jnp.where(f.any(), jnp.argmax(f), big).astype(jnp.int32) for f in flags]
+        return (*outs, jnp.expand_dims(jnp.stack(first), 0))
+
+    out_specs = (*p["out_specs"], _shard_spec(p["axes"]))
+    outs = jc.shard_map(body, p["mesh"], p["in_specs"], out_specs, p["axes"], p["check_vma"])(
+        *invals
+    )
+    first = outs[-1]  # int32[n_shards, 3]: first flagged equation per shard and flag
+    shard = jnp.argmin(first, axis=0).astype(jnp.int32)
+    return list(outs[:-1]), jnp.where(first.min(0) < big, shard, -1)
+
+
+def _shard_capture(eqn: Any, invals: list, ns: Any, step: Any) -> list:
+    """Every shard's body inputs, stacked (leading axis: shard index)."""
+    p = jc.shard_map_params(eqn)
+
+    def body(*args):
+        return [jnp.expand_dims(a, 0) for a in args]
+
+    spec = _shard_spec(p["axes"])
+    fn = jc.shard_map(body, p["mesh"], p["in_specs"], [spec] * len(invals), p["axes"], False)
+    return list(fn(*invals))
+
+
+def _shard_enter(eqn: Any, step: int, captured: list) -> tuple:
+    p = jc.shard_map_params(eqn)
+    return ("shard", step), p["jaxpr"], list(p["consts"]), list(captured)
+
+
+def _shard_context(eqn: Any, step: int) -> ShardCtx:
+    p = jc.shard_map_params(eqn)
+    return ShardCtx(p["mesh"], p["axes"], p["check_vma"], step)
+
+
+SHARD_MAP = Rule(
+    "step",
+    flags=_shard_flags,
+    capture=_shard_capture,
+    enter=_shard_enter,
+    context=_shard_context,
+)
+
+
+# ---------------------------------------------------------------------------------- table
+
+RULES: dict[str, Rule] = {
+    **{name: CALL for name in jc.CALL_PRIMITIVES},
+    "scan": SCAN,
+    "while": WHILE,
+    "cond": COND,
+    "shard_map": SHARD_MAP,
+}
+
+# Higher-order primitives deliberately evaluated as one equation (their bodies are not jaxprs of
+# the step's values: kernels, transposition rules, state programs).
+OPAQUE = frozenset({"pallas_call", "custom_transpose_call", "linear_call", "run_state"})
+
+
+# First-order primitives whose parameters hold a small combiner jaxpr (how two scalars combine),
+# not a program over the step's values: evaluated and blamed like any primitive.
+COMBINER = frozenset(
+    {"scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min"}
+    | {"scatter_min", "scatter-max", "scatter_max", "reduce", "reduce_window"}
+    | {"select_and_scatter", "select_and_scatter_add", "select_and_gather_add", "argsort"}
+)
+
+
+def rule_for(eqn: Any) -> Rule | None:
+    """The rule of ``eqn``'s primitive, or None for a first-order (or opaque) equation."""
+    rule = RULES.get(eqn.primitive.name)
+    if rule is CALL and jc.call_body(eqn) is None:
+        return None
+    return rule

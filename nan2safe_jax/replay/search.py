@@ -1,0 +1,310 @@
+"""The search: which flat equation of which level made the first non-finite value.
+
+A *level* is one jaxpr being searched: the top-level program, or the body of a loop iteration,
+a loop condition evaluation, a taken ``cond`` branch, one shard of a ``shard_map``. Per level:
+
+1. one *flags* replay (``interpret`` in ``"flags"`` mode) returns, for every flat equation, whether
+   it turned finite inputs into a non-finite output (root) or NaN-free inputs into NaN;
+2. one *capture* replay runs the level's prefix up to the first flagged equation and returns its
+   inputs and outputs. A primitive: done. A higher-order equation (loop, branch, map): a *step
+   flags* replay runs it alone on those inputs with its body instrumented by its rule and returns
+   the first flagged step (iteration, condition evaluation, branch, shard); a *step capture*
+   replay returns that step's body inputs, which are the next level.
+
+Each replay is one compiled program over the level's own values, so memory follows the step's live
+set; the flags replay's outputs are O(#equations). Bodies of higher-order equations are
+instrumented only when entered, so a flags replay reduces only its own level's values (a train
+step's gear switches hold three branches each; only the taken one is ever instrumented).
+Compiled replays are kept in ``cache.CACHE`` (the step index of a step capture is a runtime
+argument, so one compile serves every iteration).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nan2safe_jax.replay import _jax_compat as jc
+from nan2safe_jax.replay import cache, interpret, rules
+
+__all__ = ["Flags", "Found", "Item", "Session", "flatten", "search"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One flat equation of a level."""
+
+    eqn: Any
+    path: tuple  # equation indices from the level's jaxpr down through inlined calls
+    name_stack: Any  # full NameStack
+    frames: tuple  # ((file, line), ...) non-JAX frames that traced it, innermost first, then
+    # those of the equations that called its jaxpr (an inner jit's equations carry none)
+    rule: rules.Rule | None  # a step rule, or None for a first-order / opaque equation
+
+    @property
+    def source(self) -> str | None:
+        """``"file.py:LINE"`` of the innermost non-JAX frame."""
+        return f"{self.frames[0][0]}:{self.frames[0][1]}" if self.frames else None
+
+
+def flatten(jaxpr: Any, ns: Any, path: tuple = (), frames: tuple = ()) -> list[Item]:
+    """The flat equations of ``jaxpr`` (call-like equations inlined), in walk order.
+
+    ``frames``: the frames of the equation whose body ``jaxpr`` is (inherited by its equations).
+    """
+    items: list[Item] = []
+    for i, eqn in enumerate(jaxpr.eqns):
+        ens = jc.eqn_name_stack(eqn, ns)
+        own = tuple(jc.eqn_user_frames(eqn))
+        fr = own + frames if own else frames
+        rule = rules.rule_for(eqn)
+        if rule is not None and rule.kind == "call":
+            items.extend(flatten(rule.body(eqn)[0], ens, (*path, i), fr))
+        else:
+            items.append(Item(eqn, (*path, i), ens, fr, rule))
+    return items
+
+
+@dataclasses.dataclass
+class Flags:
+    """Host copy of one flags replay."""
+
+    root: np.ndarray  # bool[n_flat]
+    nan: np.ndarray  # bool[n_flat]
+    literal: np.ndarray  # bool[n_flat]
+    steps: dict[int, list[int]]  # flat index of an eagerly instrumented loop -> first steps [3]
+    in_codes: np.ndarray | None  # int8[n_args] codes of the arguments (top level only)
+    out_codes: np.ndarray | None  # int8[n_outs] codes of the outputs (top level only)
+
+
+@dataclasses.dataclass
+class Found:
+    item: Item
+    path: tuple
+    invals: list
+    outvals: list
+    mode: str = "root"  # the flag that found it (``interpret.MODES``)
+    constant: bool = False  # a higher-order equation whose body made nothing non-finite
+    shard: Any = None  # rules.ShardCtx when found inside a shard_map body
+
+
+def _structure(level: Any) -> Any:
+    """``level`` without step numbers: every iteration of a loop body shares one replay."""
+    if not isinstance(level, tuple):
+        return level
+    parent, k, elem = level
+    return (_structure(parent), k, elem[0] if elem[0] in ("iter", "cond", "shard") else elem)
+
+
+def _pick(tree: Any, shard: Any) -> Any:
+    """Shard ``shard.index``'s part of a replay's stacked results (the results themselves outside
+    a ``shard_map`` body)."""
+    if shard is None:
+        return tree
+    return jax.tree.map(lambda x: np.asarray(x)[shard.index], tree)
+
+
+class Session:
+    """One localization: its replays (counted), flags and captures (memoized per level).
+
+    Args:
+      top: the program being located (its structure keys the compiled-replay cache).
+      stats: also record XLA's memory analysis of every compiled replay in ``self.stats``.
+    """
+
+    def __init__(self, top: Any, stats: bool = False) -> None:
+        self.replays = 0
+        self.compiles = 0
+        self.stats: list[dict[str, Any]] = [] if stats else None  # type: ignore[assignment]
+        self._jits = cache.CACHE.table(top)
+        self._flags: dict[Any, Flags] = {}
+        self._captured: dict[Any, Any] = {}
+
+    def call(self, key: Any, fn: Any, *args: Any, shard: Any = None, stacked: tuple = ()) -> Any:
+        """Runs the replay ``fn`` (compiled once per ``key`` and argument shapes); inside a
+        ``shard_map`` body (``shard``), on every shard, with results stacked."""
+        jitted = self._jits.get(key)
+        if jitted is None:
+            jitted = self._jits[key] = cache.jit(shard.wrap(fn, stacked) if shard else fn)
+            self.compiles += 1
+        self.replays += 1
+        if self.stats is not None:
+            self.stats.append({"key": key, **cache.compiled_stats(jitted, *args)})
+        return jax.device_get(jitted(*args))
+
+    def flags(
+        self,
+        level: Any,
+        jaxpr: Any,
+        consts: list,
+        args: list,
+        ns: Any,
+        top: bool,
+        shard: Any = None,
+    ) -> Flags:
+        """The flags replay of a level (memoized)."""
+        cached = self._flags.get(level)
+        if cached is not None:
+            return cached
+
+        def fn(consts, args):
+            ctx = interpret.Ctx("flags")
+            arg_refs = [ctx.ref(a) for a in args] if top else []
+            outs = interpret.walk(jaxpr, consts, args, ctx, ns)
+            root, nan, literal = ctx.finalize()
+            steps = {k: jnp.asarray(v, jnp.int32) for k, v in ctx.steps.items()}
+            codes = None
+            if top:
+
+                def stack(refs):
+                    if not refs:
+                        return jnp.zeros((0,), jnp.int8)
+                    return jnp.stack([ctx.code_of(r) for r in refs])
+
+                codes = (stack(arg_refs), stack([ctx.ref(o) for o in outs]))
+            return root, nan, literal, steps, codes
+
+        res = self.call(
+            ("flags", _structure(level), top), fn, list(consts), list(args),
+            shard=shard, stacked=(False, True),
+        )  # fmt: skip
+        root, nan, literal, steps, codes = _pick(res, shard)
+        out = Flags(
+            np.asarray(root),
+            np.asarray(nan),
+            np.asarray(literal),
+            {k: [int(x) for x in np.asarray(v)] for k, v in steps.items()},
+            None if codes is None else np.asarray(codes[0]),
+            None if codes is None else np.asarray(codes[1]),
+        )
+        self._flags[level] = out
+        return out
+
+    def capture(
+        self,
+        level: Any,
+        jaxpr: Any,
+        consts: list,
+        args: list,
+        ns: Any,
+        ks: Sequence[int],
+        shard: Any = None,
+    ) -> dict[int, tuple[list, list]]:
+        """``{k: (inputs, outputs)}`` of flat equations ``ks`` of a level, in one replay
+        (inside a ``shard_map`` body: every shard's, stacked)."""
+        missing = sorted(k for k in set(ks) if (level, k) not in self._captured)
+        if missing:
+
+            def fn(consts, args):
+                ctx = interpret.Ctx("capture", dict.fromkeys(missing))
+                try:
+                    interpret.walk(jaxpr, consts, args, ctx, ns)
+                except interpret.Stop as stop:
+                    return [stop.payload[k] for k in missing]
+                raise RuntimeError(
+                    f"replay: flat equations {missing} not reached"
+                )  # pragma: no cover
+
+            key = ("capture", _structure(level), tuple(missing))
+            out = self.call(key, fn, list(consts), list(args), shard=shard, stacked=(False, True))
+            for k, payload in zip(missing, out, strict=True):
+                self._captured[(level, k)] = payload
+        return {k: self._captured[(level, k)] for k in ks}
+
+    def step_flags(
+        self, level: Any, k: int, item: Item, invals: list, shard: Any = None
+    ) -> list[int]:
+        """First step flagged root, nan and literal (``interpret.MODES``; -1: none) of
+        higher-order equation ``k`` run alone on ``invals``, its body instrumented by its rule."""
+
+        def fn(invals):
+            return item.rule.flags(item.eqn, invals, item.name_stack)[1]
+
+        key = ("step_flags", _structure(level), k)
+        steps = _pick(self.call(key, fn, list(invals), shard=shard, stacked=(True,)), shard)
+        return [int(s) for s in np.asarray(steps)]
+
+    def step_capture(
+        self, level: Any, k: int, item: Item, invals: list, step: int, shard: Any = None
+    ) -> list:
+        """The body inputs of step ``step`` of higher-order equation ``k`` (see ``rules``)."""
+
+        def fn(invals, step):
+            return item.rule.capture(item.eqn, invals, item.name_stack, step)
+
+        key = ("step_capture", _structure(level), k)
+        out = self.call(key, fn, list(invals), np.int32(step), shard=shard, stacked=(True, False))
+        return list(out)
+
+
+def search(
+    sess: Session,
+    level: Any,
+    jaxpr: Any,
+    consts: list,
+    args: list,
+    ns: Any,
+    base: tuple,
+    mode: str,
+    top: bool = False,
+    frames: tuple = (),
+    shard: Any = None,
+) -> Found | None:
+    """First flagged equation (``mode`` one of ``interpret.MODES``) of a level, entering step
+    equations (loops, branches, shards) through their rules.
+
+    ``shard``: the level is (inside) a ``shard_map`` body (``rules.ShardCtx``): its values are
+    stacked over shards and the search follows shard ``shard.index``.
+
+    Returns:
+      The culprit with its captured inputs and outputs, or None when nothing is flagged.
+    """
+    items = flatten(jaxpr, ns, (), frames)
+    fl = sess.flags(level, jaxpr, consts, args, ns, top, shard)
+    vec = {"root": fl.root, "nan": fl.nan, "literal": fl.literal}[mode]
+    for k in np.nonzero(vec)[0][:3]:  # the first; the next ones only if replays disagree
+        k = int(k)
+        item = items[k]
+        path = (*base, *item.path)
+        invals, outvals = sess.capture(level, jaxpr, consts, args, ns, [k], shard)[k]
+        mine = _pick((list(invals), list(outvals)), shard)
+        if item.rule is None:
+            return Found(item, path, *mine, mode, shard=shard)
+        sub_shard = shard
+        if item.rule.pick is not None:  # the step is known from the operands (a branch index)
+            step = item.rule.pick(item.eqn, mine[0])
+            captured = item.rule.capture(item.eqn, list(invals), item.name_stack, step)
+            sub_modes = interpret.MODES[interpret.MODES.index(mode) :]
+        else:
+            steps = fl.steps[k] if k in fl.steps else sess.step_flags(level, k, item, invals, shard)
+            # The equation is flagged in ``mode``; its body may hold the culprit under a later
+            # mode only: a root equation whose body makes NaN from a -inf mask literal (nan), or
+            # whose body only combines finite values with a non-finite literal (literal).
+            step, sub_modes = -1, ()
+            for m in interpret.MODES[interpret.MODES.index(mode) :]:
+                if steps[interpret.MODES.index(m)] >= 0:
+                    step, sub_modes = steps[interpret.MODES.index(m)], (m,)
+                    break
+            if step < 0:  # not even a literal: an output of the body is a non-finite literal
+                return Found(item, path, *mine, mode, constant=True, shard=shard)
+            if item.rule.context is not None:
+                if shard is not None:  # pragma: no cover - nested shard_map bodies
+                    return Found(item, path, *mine, mode, shard=shard)
+                sub_shard = item.rule.context(item.eqn, step)
+            captured = sess.step_capture(level, k, item, invals, step, shard)
+        elem, sub, sub_consts, sub_args = item.rule.enter(item.eqn, step, list(captured))
+        for sub_mode in sub_modes:
+            found = search(
+                sess, (level, k, elem), sub, sub_consts, sub_args, item.name_stack,
+                (*path, elem), sub_mode, frames=item.frames, shard=sub_shard,
+            )  # fmt: skip
+            if found is not None:
+                return found
+        if item.rule.pick is not None:
+            return Found(item, path, *mine, mode, constant=True, shard=shard)
+    return None
