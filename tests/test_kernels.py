@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from nan2safe_jax import kernels
 from nan2safe_jax.kernels import _common
 from nan2safe_jax.kernels.norms import reference as norms_ref
 from nan2safe_jax.kernels.softmax import reference as softmax_ref
-
-from nan2safe_jax import kernels
 
 IMPLS = ["pallas", "reference"]
 DTYPES = [jnp.float16, jnp.bfloat16, jnp.float32]
@@ -501,6 +501,7 @@ def test_triton_lowering(op, monkeypatch):
     """The compiled GPU path lowers to Triton IR (cross-lowered for CUDA via jax.export, no
     GPU needed). Compiling that IR to PTX is only checked on a GPU (benchmarks/gpu_check.sh)."""
     from jax import export
+
     from nan2safe_jax.kernels.norms import pallas as norms_pallas
     from nan2safe_jax.kernels.safe_reduce import pallas as reduce_pallas
     from nan2safe_jax.kernels.softmax import pallas as softmax_pallas
