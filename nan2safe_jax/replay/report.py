@@ -371,4 +371,3 @@ def _stats_str(s: dict) -> str:
 
 def _json_safe(d: dict) -> dict:
     return {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in d.items()}
-
