@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -52,26 +51,28 @@ def _args(argv=None):
 
 def main(argv=None) -> int:
     args = _args(argv)
-    if args.coordinator is None and "jax" not in sys.modules:
-        # Simulated devices; keep in sync with nan2safe.sharding.cpu_simulation_flags (not
-        # imported here: importing nan2safe_jax imports jax, which must come after the flags).
-        flag = (
-            f"--xla_force_host_platform_device_count={args.devices} "
-            "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-        )
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
-
     import jax
     import numpy as np
     import optax
     from flax import nnx
+    from jax.experimental import multihost_utils
 
     import nan2safe_jax as nan2safe
     from examples.transformer import Transformer, TransformerConfig, lm_loss, make_batch
 
-    if args.coordinator is not None:
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     data_n, fsdp_n = (int(v) for v in args.mesh.lower().split("x"))
+    if args.coordinator is None:
+        nan2safe.sharding.init_cpu(args.devices)  # simulated devices, one process
+    else:  # this process's share of the mesh's devices
+        procs = args.num_processes
+        if (data_n * fsdp_n) % procs:
+            raise ValueError(f"--mesh {args.mesh} does not split over {procs} processes")
+        nan2safe.sharding.init_cpu(
+            data_n * fsdp_n // procs,
+            coordinator=args.coordinator,
+            num_processes=procs,
+            process_id=args.process_id,
+        )
     mesh = nan2safe.sharding.make_mesh((data_n, fsdp_n), ("data", "fsdp"))
     if fsdp_n > 1:
         rules = nan2safe.sharding.fsdp(mesh, min_size=256)
@@ -83,6 +84,8 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir)
     if jax.process_index() == 0 and workdir.exists():
         shutil.rmtree(workdir)  # a fresh run each time (remove this line to resume)
+    if jax.process_count() > 1:  # nobody writes into the workdir before it is cleared
+        multihost_utils.sync_global_devices("workdir cleared")
     trainer = nan2safe.Trainer(
         Transformer(cfg, rngs=nnx.Rngs(0)), optax.adamw(3e-3), lm_loss, ncfg, workdir, rules=rules
     )
