@@ -11,14 +11,15 @@ fully masked and FAST attention computes 0/0. Every device takes the same downsh
 statistics are global reductions in the SPMD step), tier 2 replays the step on one device,
 names the attention site, and the ``locate`` event says which data shard / devices held the row.
 
-Multi-host (a real cluster, one process per host; every process runs the same command with its
-own ``--process-id``; each passes only its own rows of every batch):
+Multi-process (one process per host, or several on one machine over loopback; every process
+runs the same command with its own ``--process-id``, gets mesh-size / num-processes CPU devices
+through ``nan2safe.sharding.init_cpu`` and passes only its own rows of every batch):
 
-    python examples/sharded_train.py --coordinator host0:1234 --num-processes 2 \\
-        --process-id 0 --mesh 2x8 --workdir /shared/runs/x
+    python examples/sharded_train.py --coordinator 127.0.0.1:12345 --num-processes 2 \\
+        --process-id 0 --mesh 2x2 --steps 12 --fault-step 5 --workdir runs/mh   # and id 1
 
-``jax.distributed.initialize`` connects the processes; JAX's SPMD engine does the rest — no
-coordination code of ours. Checkpoints (orbax) need a ``--workdir`` every host can reach.
+``jax.distributed.initialize`` connects the processes (gloo collectives on CPU); JAX's SPMD
+engine does the rest. Checkpoints (orbax) need a ``--workdir`` every process can reach.
 """
 
 from __future__ import annotations
@@ -96,8 +97,9 @@ def main(argv=None) -> int:
         for i in range(args.steps):
             key = jax.random.fold_in(jax.random.key(i), jax.process_index())
             b = {k: np.array(v) for k, v in make_batch(key, cfg, local_rows, pad=False).items()}
-            if i == args.fault_step:
+            if i == args.fault_step and args.fault_row // local_rows == jax.process_index():
                 # Left padding: real tokens at the end, so early queries see only padding keys.
+                # Only the process that owns global row --fault-row changes its batch.
                 b["mask"][args.fault_row % local_rows, : cfg.seq_len // 2] = False
             yield b
 
