@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint bench clean
+.PHONY: test demo lint bench clean multihost
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q -m "not slow" -n 2 --dist loadfile
+
+multihost: $(STAMP)
+	$(PY) -m pytest -q tests/test_multihost.py
 
 demo: $(STAMP)
 	$(VENV)/bin/nan2safe demo

@@ -11,21 +11,21 @@ fully masked and FAST attention computes 0/0. Every device takes the same downsh
 statistics are global reductions in the SPMD step), tier 2 replays the step on one device,
 names the attention site, and the ``locate`` event says which data shard / devices held the row.
 
-Multi-host (a real cluster, one process per host; every process runs the same command with its
-own ``--process-id``; each passes only its own rows of every batch):
+Multi-process (one process per host, or several on one machine over loopback; every process
+runs the same command with its own ``--process-id``, gets mesh-size / num-processes CPU devices
+through ``nan2safe.sharding.init_cpu`` and passes only its own rows of every batch):
 
-    python examples/sharded_train.py --coordinator host0:1234 --num-processes 2 \\
-        --process-id 0 --mesh 2x8 --workdir /shared/runs/x
+    python examples/sharded_train.py --coordinator 127.0.0.1:12345 --num-processes 2 \\
+        --process-id 0 --mesh 2x2 --steps 12 --fault-step 5 --workdir runs/mh   # and id 1
 
-``jax.distributed.initialize`` connects the processes; JAX's SPMD engine does the rest — no
-coordination code of ours. Checkpoints (orbax) need a ``--workdir`` every host can reach.
+``jax.distributed.initialize`` connects the processes (gloo collectives on CPU); JAX's SPMD
+engine does the rest. Checkpoints (orbax) need a ``--workdir`` every process can reach.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -52,26 +52,28 @@ def _args(argv=None):
 
 def main(argv=None) -> int:
     args = _args(argv)
-    if args.coordinator is None and "jax" not in sys.modules:
-        # Simulated devices; keep in sync with nan2safe.sharding.cpu_simulation_flags (not
-        # imported here: importing nan2safe_jax imports jax, which must come after the flags).
-        flag = (
-            f"--xla_force_host_platform_device_count={args.devices} "
-            "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-        )
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
-
     import jax
     import numpy as np
     import optax
     from flax import nnx
+    from jax.experimental import multihost_utils
 
     import nan2safe_jax as nan2safe
     from examples.transformer import Transformer, TransformerConfig, lm_loss, make_batch
 
-    if args.coordinator is not None:
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     data_n, fsdp_n = (int(v) for v in args.mesh.lower().split("x"))
+    if args.coordinator is None:
+        nan2safe.sharding.init_cpu(args.devices)  # simulated devices, one process
+    else:  # this process's share of the mesh's devices
+        procs = args.num_processes
+        if (data_n * fsdp_n) % procs:
+            raise ValueError(f"--mesh {args.mesh} does not split over {procs} processes")
+        nan2safe.sharding.init_cpu(
+            data_n * fsdp_n // procs,
+            coordinator=args.coordinator,
+            num_processes=procs,
+            process_id=args.process_id,
+        )
     mesh = nan2safe.sharding.make_mesh((data_n, fsdp_n), ("data", "fsdp"))
     if fsdp_n > 1:
         rules = nan2safe.sharding.fsdp(mesh, min_size=256)
@@ -83,6 +85,8 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir)
     if jax.process_index() == 0 and workdir.exists():
         shutil.rmtree(workdir)  # a fresh run each time (remove this line to resume)
+    if jax.process_count() > 1:  # nobody writes into the workdir before it is cleared
+        multihost_utils.sync_global_devices("workdir cleared")
     trainer = nan2safe.Trainer(
         Transformer(cfg, rngs=nnx.Rngs(0)), optax.adamw(3e-3), lm_loss, ncfg, workdir, rules=rules
     )
@@ -93,8 +97,9 @@ def main(argv=None) -> int:
         for i in range(args.steps):
             key = jax.random.fold_in(jax.random.key(i), jax.process_index())
             b = {k: np.array(v) for k, v in make_batch(key, cfg, local_rows, pad=False).items()}
-            if i == args.fault_step:
+            if i == args.fault_step and args.fault_row // local_rows == jax.process_index():
                 # Left padding: real tokens at the end, so early queries see only padding keys.
+                # Only the process that owns global row --fault-row changes its batch.
                 b["mask"][args.fault_row % local_rows, : cfg.seq_len // 2] = False
             yield b
 

@@ -48,7 +48,10 @@ __all__ = [
     "cpu_simulation_flags",
     "data_parallel",
     "fsdp",
+    "host_arrays",
+    "init_cpu",
     "is_replicated",
+    "log_dir",
     "make_mesh",
     "resolve",
     "shard_batch",
@@ -71,6 +74,111 @@ def cpu_simulation_flags(devices: int) -> str:
         f"--xla_force_host_platform_device_count={int(devices)} "
         "--xla_cpu_enable_concurrency_optimized_scheduler=false"
     )
+
+
+def init_cpu(
+    local_devices: int,
+    *,
+    coordinator: str | None = None,
+    num_processes: int = 1,
+    process_id: int = 0,
+    heartbeat_timeout_s: int = 10,
+    init_timeout_s: int = 60,
+) -> None:
+    """Sets up JAX on CPU: ``local_devices`` devices in this process, and optionally a
+    ``jax.distributed`` run of ``num_processes`` processes over ``coordinator``.
+
+    Call it before anything touches a JAX backend (``jax.devices()``, any computation). The
+    same call serves a single-process simulation (``coordinator=None``: just the device count)
+    and a real multi-process run: every process calls it with the same coordinator and count
+    and its own ``process_id``. Collectives between processes use gloo (XLA:CPU has no other
+    cross-process transport). XLA:CPU's concurrency-optimized scheduler is turned off for the
+    reason given in :func:`cpu_simulation_flags`.
+
+    Args:
+      local_devices: CPU devices in this process (``jax_num_cpu_devices``).
+      coordinator: ``"host:port"`` of process 0's coordination service, or None for one
+        process.
+      num_processes: processes in the run.
+      process_id: this process, ``0 <= process_id < num_processes``.
+      heartbeat_timeout_s: a process that stops answering is declared dead after this long,
+        and the others stop with an error instead of waiting forever in a collective.
+      init_timeout_s: how long to wait for every process to join.
+
+    Raises:
+      ValueError: a count or id is out of range, or ``coordinator`` is not ``host:port``.
+      RuntimeError: a JAX backend is already initialized (too late to set the device count).
+    """
+    import os
+
+    if int(local_devices) < 1:
+        raise ValueError(f"local_devices must be >= 1, got {local_devices!r}")
+    if int(num_processes) < 1:
+        raise ValueError(f"num_processes must be >= 1, got {num_processes!r}")
+    if not 0 <= int(process_id) < int(num_processes):
+        raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id!r}")
+    if coordinator is None and num_processes > 1:
+        raise ValueError("coordinator is required when num_processes > 1")
+    if coordinator is not None and not str(coordinator).rpartition(":")[2].isdigit():
+        raise ValueError(f"coordinator must look like 'host:port', got {coordinator!r}")
+    from nan2safe_jax.replay._jax_compat import backends_initialized
+
+    if backends_initialized():
+        raise RuntimeError(
+            "init_cpu must run before JAX initializes a backend (before jax.devices() or any "
+            "computation)"
+        )
+    flag = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", int(local_devices))
+    if coordinator is None:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator,
+        int(num_processes),
+        int(process_id),
+        initialization_timeout=int(init_timeout_s),
+        heartbeat_timeout_seconds=int(heartbeat_timeout_s),
+        shutdown_timeout_seconds=3 * int(heartbeat_timeout_s),
+    )
+
+
+def log_dir(workdir):
+    """Where this process writes its event and metric logs.
+
+    Process 0 writes ``workdir`` itself (the run's one ``events.jsonl``); every other process
+    of a ``jax.distributed`` run writes ``workdir/process_<i>``, so the logs are never two
+    interleaved writers of one file. All processes take the same decisions (from replicated
+    values), so their logs hold the same events.
+    """
+    from pathlib import Path
+
+    i = jax.process_index()
+    return Path(workdir) if i == 0 else Path(workdir) / f"process_{i}"
+
+
+def host_arrays(tree: T) -> T:
+    """``tree`` with its fully addressable ``jax.Array`` leaves as numpy arrays when the run has
+    more than one process (unchanged otherwise).
+
+    Orbax refuses to save a host-local ``jax.Array`` in a multi-process run; numpy arrays it
+    treats as replicated and writes once. Used for values every process holds whole and alike
+    (the gathered state of an incident).
+    """
+    if jax.process_count() == 1:
+        return tree
+
+    def one(x):
+        if isinstance(x, jax.Array) and x.is_fully_addressable:
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                return x
+            return np.asarray(x)
+        return x
+
+    return jax.tree_util.tree_map(one, tree)
 
 
 def make_mesh(shape: Sequence[int], axis_names: Sequence[str], *, devices=None) -> Mesh:

@@ -179,7 +179,7 @@ class Trainer:
             loss_fn, lr_schedule=lr_schedule, rules=self.rules, has_aux=has_aux
         )
         self.checkpoints = Checkpointer(self.workdir / "checkpoints")
-        self.log = EventLog(self.workdir)
+        self.log = EventLog(sharding_lib.log_dir(self.workdir))  # one log per process
         # (step, batch) of the latest finished steps: what a rollback replays.
         self.ring: collections.deque = collections.deque(maxlen=self.cfg.ring_size)
         self.incidents = 0
@@ -376,6 +376,8 @@ class Trainer:
         if self.rules is not None:
             # Replay on one device: the bisection evaluates single equations, which need whole
             # arrays; every process gathers and replays alike, so all reach the same decision.
+            # Multi-process: each process holds its own rows; the global batch first.
+            batch = sharding_lib.shard_batch(batch, self.rules)
             before, batch = sharding_lib.to_local((before, batch))
         decision = incidents.decide(self.step_fn.jitted, before, batch, done.after, m, self.cfg)
         report = decision.report
@@ -538,13 +540,14 @@ class Trainer:
         d = self.workdir / "incidents" / f"step_{step_no}"
         d.mkdir(parents=True, exist_ok=True)
         host_batch = jax.tree_util.tree_map(np.asarray, batch)
-        with open(d / "batch.pkl", "wb") as f:
-            pickle.dump(host_batch, f)
-        leaves = jax.tree_util.tree_leaves(host_batch)
-        np.savez(d / "batch.npz", **{f"{i:05d}": x for i, x in enumerate(leaves)})
+        if jax.process_index() == 0:  # the batch is whole (gathered) and alike everywhere
+            with open(d / "batch.pkl", "wb") as f:
+                pickle.dump(host_batch, f)
+            leaves = jax.tree_util.tree_leaves(host_batch)
+            np.savez(d / "batch.npz", **{f"{i:05d}": x for i, x in enumerate(leaves)})
         ckpt = Checkpointer(d / "state", async_save=False)
         try:
-            ckpt.save(step_no, state, finite=True)
+            ckpt.save(step_no, sharding_lib.host_arrays(state), finite=True)
         finally:
             ckpt.close()
 

@@ -239,3 +239,10 @@ def shard_map(fn: Any, mesh: Any, in_specs: Any, out_specs: Any, axes: Any, chec
     from jax.experimental.shard_map import shard_map as old  # pragma: no cover
 
     return old(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check_vma)
+
+
+def backends_initialized() -> bool:
+    """Whether JAX has created a backend already (then device counts can no longer change)."""
+    from jax._src import xla_bridge
+
+    return bool(xla_bridge.backends_are_initialized())
