@@ -371,6 +371,7 @@ def _count_eqns(jaxpr) -> int:
     return n
 
 
+@pytest.mark.slow  # minutes: compiling the flags replay of ~470 tiny equations with fusion on
 def test_large_program_replays_are_logarithmic():
     def f(x):
         for i in range(150):
