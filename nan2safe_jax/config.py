@@ -1,6 +1,6 @@
-"""Config: every threshold of SPEC.md in one frozen, validated object.
+"""Config: every threshold of docs/design.md in one frozen, validated object.
 
-The defaults are the write-up's, tuned on 7B/13B models (SPEC.md, "Parameters"). A Config is
+The defaults are the write-up's, tuned on 7B/13B models (docs/design.md, "Defaults"). A Config is
 hashable and immutable so it can sit in a jitted function's closure or a pytree's static
 fields; every field is checked at construction and a bad value raises ``ValueError`` naming the
 field, the value received and the accepted range.

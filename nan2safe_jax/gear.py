@@ -2,7 +2,7 @@
 
 A gear is an int32 that the step reads with ``lax.switch``; the state that holds the gears is a
 pytree carried through the jitted step. A downshift is therefore a change of *values*, never of
-code: it takes effect on the very next step and never recompiles (SPEC.md, "Three gears").
+code: it takes effect on the very next step and never recompiles (docs/design.md, "Gears").
 
 The global ``level`` applies to every site; ``sites`` holds each site's own gear, so the
 effective gear of a site is ``max(level, sites[name])``. Per-site gears have the shape of the
@@ -25,7 +25,7 @@ MAX_I32 = 2**31 - 1
 
 
 class Gear(enum.IntEnum):
-    """The three gears of SPEC.md: ``FAST`` (0), ``STABLE`` (1), ``SAFE`` (2)."""
+    """The three gears (docs/design.md, "Gears"): ``FAST`` (0), ``STABLE`` (1), ``SAFE`` (2)."""
 
     FAST = 0
     STABLE = 1
@@ -164,7 +164,7 @@ def decide(
     cfg: Config,
     calm: jax.ArrayLike | None = None,
 ) -> GearState:
-    """The policy: next step's gears from this step's risk (SPEC.md, Tier 1 and Recovery).
+    """The policy: next step's gears from this step's risk (docs/design.md, "Tier 1" and "Recovery").
 
     Detection comes first and is separate: ``risk`` is already computed. Then:
       - downshift FAST -> STABLE when ``risk >= trigger_risk`` or anything was non-finite;
