@@ -2,7 +2,8 @@
 
 Detection is cheap and always on: a probe is one tensor's ``stats`` (a handful of ``lax``
 reductions, on device), and ``update`` turns the statistics of every probe into one risk score
-(docs/design.md, "Tier 1"). Deciding what to do with the score is ``gear.decide``'s job, not this one's.
+(docs/design.md, "Tier 1"). Deciding what to do with the score is ``gear.decide``'s job, not
+this one's.
 
 The score is calibrated, so that healthy training reads as a flat line at 0: each signal's
 threshold follows from a target false-alarm rate shared over the probes (``thresholds``), the

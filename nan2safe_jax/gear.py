@@ -164,7 +164,7 @@ def decide(
     cfg: Config,
     calm: jax.ArrayLike | None = None,
 ) -> GearState:
-    """The policy: next step's gears from this step's risk (docs/design.md, "Tier 1" and "Recovery").
+    """The policy: next step's gears from this step's risk (docs/design.md, Tier 1, Recovery).
 
     Detection comes first and is separate: ``risk`` is already computed. Then:
       - downshift FAST -> STABLE when ``risk >= trigger_risk`` or anything was non-finite;
