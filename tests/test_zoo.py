@@ -1,4 +1,5 @@
-"""The fault zoo (benchmarks/zoo.py): one real scenario in `make test`, the full sweep slow."""
+"""The fault zoo (benchmarks/zoo.py): the data-NaN scenario in `make test`; ln_const and the
+full sweep are slow."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def test_scenarios_are_complete(zoo):
         assert len(faulty) == len(clean) == 20
 
 
+@pytest.mark.slow  # a full Trainer run with a cold tier-2 locate; test_trainer covers the loop fast
 def test_ln_const_rows_nan2safe_survives_and_names_the_norm(zoo, tmp_path):
     """LayerNorm eps=0 on constant fp16 rows: plain dies, nan2safe locates the norm's rsqrt."""
     recs = zoo.run_scenario(
