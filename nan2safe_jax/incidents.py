@@ -11,10 +11,16 @@ Outcomes (``Decision.kind``):
     was skipped on device; nothing in the model is at risk, so no gear changes.
   - ``"damaged"``: the state the step started from holds a non-finite value (a flipped bit, a
     poisoned statistic). Training on it is pointless: roll back.
-  - ``"located"``: the replay found the culprit equation; its site (or the whole model, when the
-    culprit is in no site) goes to SAFE and training carries on from the skipped step.
+  - ``"located"``: the replay found the culprit equation; its site goes to SAFE and training
+    carries on from the skipped step. A culprit in no site (code of the user's own modules, a
+    flax layer ``nan2safe.nn.convert`` left alone) is out of every gear's reach: the decision
+    says so in ``hint`` (with the nearest site and the fix: ``nan2safe.nn.Site`` or
+    ``convert``) and falls back to the whole model in SAFE, which only lowers the learning rate
+    and changes the sites' arithmetic, never the culprit's.
   - ``"repeat"``: the culprit's site already ran in SAFE and failed again: SAFE cannot save this
-    state, so roll back with the site in SAFE for a longer stay.
+    state, so roll back with the site in SAFE for a longer stay. A culprit in no site that
+    fails again with the whole model in SAFE is not rolled back (the replay would run the same
+    code): the step stays skipped, the gears are left as they are, and the hint repeats.
   - ``"transient"``: the deterministic replay stayed finite (suspect hardware or
     non-determinism); the step was skipped, nothing else changes.
 """
@@ -22,6 +28,7 @@ Outcomes (``Decision.kind``):
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import jax
@@ -32,7 +39,10 @@ from nan2safe_jax import replay
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear, GearState
 from nan2safe_jax.numerics import first_nonfinite
+from nan2safe_jax.replay.nearest import nearest_site
 from nan2safe_jax.replay.report import Report, array_stats, channel_scan
+
+log = logging.getLogger(__name__)
 
 KINDS = ("polluted_input", "damaged", "located", "repeat", "transient")
 
@@ -50,6 +60,7 @@ class Decision:
       enter: fields of the ``safe_enter`` event when a site (or the model) entered SAFE.
       revert: the step treated the fault as the model's (gears down, loss scale cut) but it
         was the data's: go back to the gears and optimizer state the step started from.
+      hint: set when the culprit is in no site: that fact, the nearest site, and the fix.
     """
 
     kind: str
@@ -59,6 +70,7 @@ class Decision:
     action: str = ""
     enter: dict[str, Any] | None = None
     revert: bool = False
+    hint: str | None = None
 
 
 def polluted_report(batch) -> Report:
@@ -193,18 +205,60 @@ def decide(step_fn, before, batch, after, metrics: dict, cfg: Config) -> Decisio
                 action="skipped the batch: integer labels out of range (data, not model)",
                 revert=True,
             )
-    return _downshift(report, before.gear, after.gear, cfg)
+    nearest = None
+    if report.site is None or report.site not in after.gear.sites:
+        try:
+            nearest = nearest_site(step_fn, (before, batch), report.eqn_path, after.gear.sites)
+        except Exception as err:  # noqa: BLE001 - a hint must never stop tier 2
+            log.debug("nearest site not found: %s", err)
+    return _downshift(report, before.gear, after.gear, cfg, nearest=nearest)
 
 
-def _downshift(report: Report, ran: GearState, gs: GearState, cfg: Config) -> Decision:
-    """SAFE for the culprit's site (or the whole model); a repeat in SAFE means roll back."""
+def unsited_hint(report: Report, sites, nearest: str | None = None) -> str:
+    """Says plainly that the culprit is in no site, where it is, and how to make it one.
+
+    Args:
+      report: the tier-2 report (its culprit is in no site).
+      sites: the model's site names.
+      nearest: the site nearest to the culprit in program order (``replay.nearest_site``).
+    """
+    where = report.user_source or report.source or "an unknown line"
+    text = (
+        f"the culprit `{report.primitive}` ({report.direction}) at {where} is outside every "
+        "site: no gear reaches it"
+    )
+    if not sites:
+        text += " (the model has no sites at all)"
+    elif nearest is not None:
+        text += f"; the nearest site is {nearest!r}"
+    return text + (
+        ". To make it downshiftable, run nan2safe.nn.convert(model) if it is a flax layer, or "
+        "wrap that code in nan2safe.nn.Site(fast, safe=...)"
+    )
+
+
+def _downshift(
+    report: Report, ran: GearState, gs: GearState, cfg: Config, nearest: str | None = None
+) -> Decision:
+    """SAFE for the culprit's site; a repeat in SAFE means roll back. A culprit in no site:
+    the whole model in SAFE once, said to be a fallback; no rollback on a repeat."""
     site = report.site
     if site is None or site not in gs.sites:
-        repeat = int(ran.level) >= Gear.SAFE
+        hint = unsited_hint(report, gs.sites, nearest)
+        if int(ran.level) >= Gear.SAFE:
+            action = (
+                f"{hint}. It failed again with the whole model in SAFE, so gears cannot fix it: "
+                "step skipped, no rollback (a replay would run the same code)"
+            )
+            return Decision("repeat", report, None, False, action, None, hint=hint)
         new = gear_lib.set_level(gs, Gear.SAFE, cfg)
-        enter = dict(site=None, steps=cfg.safe_max_steps, scope="global")
-        action = "culprit is in no site: whole model -> SAFE"
-        return Decision("repeat" if repeat else "located", report, new, repeat, action, enter)
+        enter = dict(site=None, steps=cfg.safe_max_steps, scope="global", fallback=True)
+        action = (
+            f"{hint}. Fallback: whole model -> SAFE for {cfg.safe_max_steps} steps (every site "
+            f"in SAFE, learning rate x{cfg.safe_lr_factor}); that cannot change the culprit's "
+            "own arithmetic"
+        )
+        return Decision("located", report, new, False, action, enter, hint=hint)
     index = None
     shape = gs.sites[site].shape
     iters = [p[1] for p in report.eqn_path if isinstance(p, tuple) and p[0] == "iter"]

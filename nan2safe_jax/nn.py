@@ -881,3 +881,11 @@ class CrossEntropy(_Site):
         with self._scope():
             _write(self.probe_logits, sampled_stats(logits))
             return ops.cross_entropy(logits, labels, self._gear(), mask=mask)
+
+
+# --- adopting existing flax.nnx models (nan2safe_jax.convert) and user-code sites -------------
+# Imported last: those modules build on the classes above.
+from nan2safe_jax.convert import ConvertReport, convert  # noqa: E402
+from nan2safe_jax.user_site import Site  # noqa: E402
+
+__all__ += ["ConvertReport", "Site", "convert"]

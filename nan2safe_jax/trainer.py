@@ -399,16 +399,21 @@ class Trainer:
         elif decision.kind in ("located", "repeat"):
             self._save_incident(done.step, before, batch)
             extra = {} if self.rules is None else {"shards": self._shards(report, batch)}
+            if decision.hint is not None:  # the culprit is in no site: no gear reaches it
+                extra["hint"] = decision.hint
+                log.warning("step %d: %s", done.step, decision.hint)
             self.log.append("locate", done.step, report=rd, action=decision.action, **extra)
-            self.log.append("safe_enter", done.step, **decision.enter)
+            if decision.enter is not None:
+                self.log.append("safe_enter", done.step, **decision.enter)
             log.info("step %d: %s\n%s", done.step, decision.action, report)
         else:  # damaged
             self.log.append("damaged", done.step, report=rd, action=decision.action)
         if self.incidents > self.cfg.max_incidents:
             self.log.append("error", done.step, detail=f"{self.incidents} incidents: stopping")
+            hint = "" if decision.hint is None else f"\n{decision.hint}"
             raise NanIncidentError(
                 f"{self.incidents} non-finite incidents (max_incidents="
-                f"{self.cfg.max_incidents}); last report:\n{report}",
+                f"{self.cfg.max_incidents}); last report:\n{report}{hint}",
                 report,
             )
         if decision.restore and decision.kind == "repeat" and done.replayed:

@@ -1,0 +1,174 @@
+"""nan2safe.nn.Site: a user function as a site; tier 2 on code inside one and outside every one.
+
+One tiny model (a Linear, then a hand-written masked softmax attention pooling, then a mean),
+built twice: with the softmax wrapped in ``nn.Site`` and with it inline in the module's own
+``__call__``. A batch with a fully masked row makes the FAST softmax 0/0 (the ``-inf`` fill
+written in the model's own code).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import nan2safe_jax as nan2safe
+from nan2safe_jax import incidents, nn, replay
+from nan2safe_jax.gear import Gear
+from nan2safe_jax.replay.nearest import nearest_site_in_jaxpr
+from nan2safe_jax.site import site_from_name_stack
+
+D, T = 4, 3
+
+
+def pool(h, mask):
+    """The model's own masked softmax pooling: ``-inf`` fill, so a fully masked row is 0/0."""
+    logits = jnp.where(mask, h.sum(-1), -jnp.inf)
+    return jnp.sum(jax.nn.softmax(logits, axis=-1)[..., None] * h, axis=-2)
+
+
+def pool_safe(h, mask):
+    """SAFE: ``nan2safe.ops.softmax`` in SAFE gives zeros on a fully masked row."""
+    p = nan2safe.ops.softmax(h.sum(-1), where=mask, gear=Gear.SAFE)
+    return jnp.sum(p[..., None] * h, axis=-2)
+
+
+class Net(nnx.Module):
+    def __init__(self, wrapped: bool, *, rngs: nnx.Rngs):
+        self.lin = nn.Linear(D, D, rngs=rngs)
+        self.pool = nn.Site(pool, safe=pool_safe) if wrapped else None
+
+    def __call__(self, x, mask):
+        h = self.lin(x)
+        return self.pool(h, mask) if self.pool is not None else pool(h, mask)
+
+
+def loss_fn(model, batch):
+    return jnp.mean(model(batch["x"], batch["mask"]) ** 2)
+
+
+def _batch(masked_row: bool):
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, T, D)), jnp.float32)
+    mask = jnp.ones((2, T), bool)
+    if masked_row:
+        mask = mask.at[1].set(False)
+    return {"x": x, "mask": mask}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """For both builds: tier 2 on the failing loss-and-gradient program (the train step's core;
+    the full step is exercised by the slow examples test): report, nearest site, decision."""
+    out = {}
+    cfg = nan2safe.Config()
+    bad = _batch(True)
+    for wrapped in (True, False):
+        model = Net(wrapped, rngs=nnx.Rngs(0))
+        sites = nan2safe.site.name_sites(model)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def f(params, rest, batch, graphdef=graphdef):
+            return loss_fn(nnx.merge(graphdef, params, rest), batch)
+
+        args = (params, rest, bad)  # the gears are in ``rest``: traced, so lax.switch
+        jaxpr = jax.make_jaxpr(jax.value_and_grad(f))(*args)
+        report = replay.locate(jaxpr, args)
+        nearest = nearest_site_in_jaxpr(jaxpr, report.eqn_path, sites)
+        gs = nan2safe.GearState.create(sites)
+        out[wrapped] = (model, report, nearest, incidents._downshift(report, gs, gs, cfg, nearest))
+    return out
+
+
+def test_site_is_the_plain_function_at_fast_and_named_by_path():
+    model = Net(True, rngs=nnx.Rngs(0))
+    sites = nan2safe.site.name_sites(model)
+    assert sites == {"lin": (), "pool": ()}
+    b = _batch(False)
+    h = model.lin(b["x"])
+    np.testing.assert_array_equal(model.pool(h, b["mask"]), pool(h, b["mask"]))
+    model.pool.gear[...] = jnp.asarray(Gear.SAFE, jnp.int32)
+    np.testing.assert_allclose(model.pool(h, b["mask"]), pool(h, b["mask"]), rtol=1e-6)
+    bad = _batch(True)
+    assert not np.isfinite(np.asarray(pool(h, bad["mask"]))).all()
+    assert np.isfinite(np.asarray(model.pool(h, bad["mask"]))).all()  # SAFE path
+
+
+def test_every_equation_of_every_path_names_the_site():
+    model = Net(True, rngs=nnx.Rngs(0))
+    nan2safe.site.name_sites(model)
+    b = _batch(False)
+
+    graphdef, st = nnx.split(model)
+
+    def f(st, x):
+        return jnp.sum(nnx.merge(graphdef, st)(x, b["mask"]))
+
+    jaxpr = jax.make_jaxpr(jax.grad(f, argnums=1))(st, b["x"])  # traced gear: lax.switch
+    named = set()
+
+    def walk(j):
+        for eqn in j.eqns:
+            if eqn.primitive.name in ("exp", "reduce_max", "div"):
+                named.add(site_from_name_stack(str(eqn.source_info.name_stack)))
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                        walk(getattr(sub, "jaxpr", sub))
+
+    walk(jaxpr.jaxpr)
+    assert "pool" in named
+
+
+def test_tier2_blames_the_user_site_and_safe_fixes_it(runs):
+    model, report, _, dec = runs[True]
+    assert report.site == "pool" and report.primitive is not None
+    assert dec.kind == "located" and dec.hint is None
+    assert int(dec.gear.sites["pool"]) == Gear.SAFE and int(dec.gear.sites["lin"]) < Gear.SAFE
+    model.pool.gear[...] = jnp.asarray(dec.gear.sites["pool"])
+    loss, grads = nnx.value_and_grad(loss_fn)(model, _batch(True))
+    assert np.isfinite(float(loss))
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+def test_tier2_outside_every_site_says_so_and_does_not_pretend(runs):
+    _, report, nearest, dec = runs[False]
+    assert report.site is None and nearest == "lin"
+    assert "outside every site" in dec.hint and "nan2safe.nn.Site" in dec.hint
+    assert "nearest site is 'lin'" in dec.hint
+    assert "fallback" in dec.action.lower() and dec.enter["fallback"]
+    assert int(dec.gear.level) == Gear.SAFE  # a fallback: it lowers the learning rate
+    # the same fault again with the whole model in SAFE: no rollback, no gear change
+    again = incidents._downshift(report, dec.gear, dec.gear, nan2safe.Config(), nearest=nearest)
+    assert again.kind == "repeat" and not again.restore and again.gear is None
+    assert again.enter is None and "gears cannot fix it" in again.action
+
+
+def test_site_validates_its_paths():
+    with pytest.raises(ValueError, match="safe must be callable"):
+        nn.Site(pool, safe=3)
+
+    class M(nnx.Module):
+        def f(self, x):
+            return x
+
+    with pytest.raises(ValueError, match="bound to a module"):
+        nn.Site(M().f, safe=pool_safe)
+
+
+def test_site_in_a_vmapped_stack_has_a_layer_gear_and_static_kwargs():
+    @nnx.vmap(in_axes=None, out_axes=0, axis_size=3)
+    def make():
+        return nn.Site(lambda x, *, power: x**power, safe=lambda x, *, power: x**power, probe=True)
+
+    stack = make()
+    assert stack.gear.get_value().shape == (3,)
+    assert stack.probe_output.get_value().shape[0] == 3
+
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def run(site, x):
+        return site(x, power=2)  # power stays a Python int: static in every path
+
+    y = run(stack, jnp.full((2,), 1.5))
+    np.testing.assert_allclose(y, 1.5**8)
