@@ -198,31 +198,32 @@ class ConvertReport:
             stack = f" stacked {list(c.stack)}" if c.stack else ""
             sites = ", ".join(c.sites)
             lines.append(f"  {c.path or '<root>'}: nnx.{c.flax_class}{stack} -> {sites}")
+        done = {n for c in self.converted for n in c.sites}
+        already = [n for n in self.sites if n not in done]
+        if already:
+            lines.append(f"already sites: {', '.join(already)}")
         lines.append(f"left alone {len(self.left_alone)}:")
         for a in self.left_alone:
             lines.append(f"  {a.path or '<root>'} ({a.cls}): {a.reason}")
+        if any(a.reason == _USER_CODE for a in self.left_alone):
+            lines.append(
+                "(user code outside every site: tier 2 can name an equation there but no gear "
+                "reaches it; wrap risky numerics in nan2safe.nn.Site)"
+            )
         return "\n".join(lines)
 
 
-_USER_CODE = (
-    "user module: its own __call__ code runs outside every site (tier 2 can name an equation "
-    "there but no gear reaches it); wrap risky numerics in nan2safe.nn.Site"
-)
+_USER_CODE = "user code outside every site"
 
 
 def _matches(patterns, path: str, module) -> bool:
+    """A class matches instances; a string is an ``fnmatch`` pattern over path or class name."""
     for p in patterns:
         if isinstance(p, type):
             if isinstance(module, p):
                 return True
-        elif isinstance(p, str):
-            if fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(type(module).__name__, p):
-                return True
-        else:
-            raise ValueError(
-                f"include/exclude: entries must be classes or strings (path or class-name "
-                f"patterns), got {p!r}"
-            )
+        elif fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(type(module).__name__, p):
+            return True
     return False
 
 
@@ -234,7 +235,12 @@ def _as_patterns(name: str, value) -> tuple | None:
     if not isinstance(value, Iterable):
         raise ValueError(f"{name} must be a class, a string or an iterable of them, got {value!r}")
     out = tuple(value)
-    _matches(out, "", None)  # validates the entries
+    for p in out:
+        if not isinstance(p, (str, type)):
+            raise ValueError(
+                f"{name}: entries must be classes or strings (path or class-name patterns), "
+                f"got {p!r}"
+            )
     return out
 
 

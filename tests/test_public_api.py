@@ -66,3 +66,16 @@ def test_cli_parses():
     from nan2safe_jax import cli
 
     assert callable(cli.main)
+
+
+def test_adoption_names():
+    """issue #16: adopting an existing flax.nnx model."""
+    from nan2safe_jax import convert, user_site
+    from nan2safe_jax.replay import nearest
+
+    assert nan2safe.nn.convert is convert.convert and callable(nan2safe.nn.convert)
+    assert nan2safe.nn.Site is user_site.Site and isinstance(nan2safe.nn.Site, type)
+    assert nan2safe.nn.ConvertReport is convert.ConvertReport
+    for name in ("convert", "Site", "ConvertReport"):
+        assert name in nan2safe.nn.__all__
+    assert callable(nearest.nearest_site) and callable(nearest.nearest_site_in_jaxpr)

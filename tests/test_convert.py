@@ -1,0 +1,210 @@
+"""nan2safe.nn.convert on a flax.nnx model mixing every convertible layer.
+
+The model: an ``Embed``, a block stack built with ``nnx.vmap`` and run with ``nnx.scan`` (a
+``LayerNorm``, a ``MultiHeadAttention`` with a KV-less causal mask, an ``RMSNorm``, a
+``Linear``), an ``nnx.List`` of ``Linear``s, an ``nnx.Dict`` holding a ``LinearGeneral``, a
+plain dict (``nnx.data``) holding a ``Linear`` with a custom ``dot_general`` (not convertible:
+the site owns the matmul), and a ``Dropout`` (no counterpart). One compile per model where the
+test compares the two.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax import lax
+
+import nan2safe_jax as nan2safe
+from nan2safe_jax import nn
+from nan2safe_jax.convert import ConvertReport
+
+D, L, V, T = 8, 2, 11, 5
+GRAD_TOL = 1e-6  # relative to the largest gradient: traced gear (tests/test_nn_flax_compat.py)
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, attn: bool = True):
+        self.ln = nnx.LayerNorm(D, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(2, D, decode=False, rngs=rngs) if attn else None
+        self.rms = nnx.RMSNorm(D, rngs=rngs)
+        self.mlp = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x):
+        if self.attn is not None:
+            x = x + self.attn(self.ln(x), is_causal=True)
+        else:
+            x = x + self.ln(x)
+        return x + self.mlp(self.rms(x))
+
+
+class Model(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, attn: bool = True):
+        self.embed = nnx.Embed(V, D, rngs=rngs)
+
+        @nnx.split_rngs(splits=L)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return Block(rngs, attn)
+
+        self.blocks = make(rngs)
+        self.heads = nnx.List([nnx.Linear(D, D, rngs=rngs), nnx.Linear(D, D, rngs=rngs)])
+        self.proj = nnx.Dict({"lg": nnx.LinearGeneral(D, (2, 4), rngs=rngs)})
+        custom = functools.partial(lax.dot_general, precision=lax.Precision.HIGHEST)
+        self.extra = nnx.data({"odd": nnx.Linear(D, D, dot_general=custom, rngs=rngs)})
+        self.drop = nnx.Dropout(0.0)
+
+    def __call__(self, ids):
+        x = self.embed(ids)
+
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def run(block, x):
+            return block(x)
+
+        x = run(self.blocks, x)
+        for h in self.heads:
+            x = jnp.tanh(h(x))
+        x = self.extra["odd"](self.drop(x))
+        y = self.proj["lg"](x)
+        return jnp.reshape(y, y.shape[:-2] + (-1,)) @ self.embed.embedding[...].T
+
+
+IDS = jnp.asarray(np.random.default_rng(0).integers(0, V, size=(2, T)), jnp.int32)
+
+
+def _forward(model):
+    return nnx.jit(lambda m, ids: m(ids))(model, IDS)
+
+
+def _out_and_grads(model):
+    """One jitted program: the model's output and the gradients of a fixed functional of it."""
+
+    def f(model, ids):
+        y = model(ids)
+        return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=y.dtype)).reshape(y.shape)), y
+
+    grad = nnx.value_and_grad(f, argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
+    (_, y), g = nnx.jit(grad)(model, IDS)
+    return y, g
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """``(reference flax model, converted model, report, the original Param objects)``."""
+    original = Model(nnx.Rngs(0))
+    reference = nnx.clone(original)
+    before = {p: v for p, v in nnx.iter_graph(original) if isinstance(v, nnx.Param)}
+    converted, report = nn.convert(original, return_report=True)
+    return reference, converted, report, before
+
+
+def test_layers_become_sites_sharing_the_same_param_objects(pair):
+    _, model, report, before = pair
+    assert isinstance(model.embed, nn.Embed)
+    assert isinstance(model.blocks.attn, nn.MultiHeadAttention)
+    assert isinstance(model.blocks.ln, nn.LayerNorm) and isinstance(model.blocks.rms, nn.RMSNorm)
+    assert isinstance(model.heads[1], nn.Linear) and isinstance(model.proj["lg"], nn.LinearGeneral)
+    after = {p: v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+    assert set(after) == set(before)
+    assert all(after[p] is before[p] for p in before)  # the very objects: nothing copied
+    assert isinstance(report, ConvertReport)
+
+
+def test_param_tree_and_optimizer_state_fit_both_ways(pair):
+    reference, model, _, _ = pair
+    ps_ref, ps_new = nnx.state(reference, nnx.Param), nnx.state(model, nnx.Param)
+    assert jax.tree.structure(ps_ref) == jax.tree.structure(ps_new)
+    for a, b in zip(jax.tree.leaves(ps_ref), jax.tree.leaves(ps_new), strict=True):
+        np.testing.assert_array_equal(a, b)
+    tx = optax.adam(1e-3)
+    assert jax.tree.structure(tx.init(ps_ref)) == jax.tree.structure(tx.init(ps_new))
+    # a flax checkpoint of the params restores into the converted model and back
+    other = Model(nnx.Rngs(7))
+    fresh = nn.convert(Model(nnx.Rngs(3)))
+    nnx.update(fresh, nnx.state(other, nnx.Param))
+    back = Model(nnx.Rngs(5))
+    nnx.update(back, nnx.state(fresh, nnx.Param))
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(other, nnx.Param)),
+        jax.tree.leaves(nnx.state(back, nnx.Param)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_fast_outputs_equal_bit_for_bit(pair):
+    reference, model, _, _ = pair
+    np.testing.assert_array_equal(np.asarray(_forward(model)), np.asarray(_forward(reference)))
+
+
+def test_fast_gradients_within_tolerance():
+    """Every layer kind but attention (its FAST gradients against flax's are
+    tests/test_nn_flax_compat.py's; here it would triple this file's compile time)."""
+    reference = Model(nnx.Rngs(1), attn=False)
+    model = nn.convert(nnx.clone(reference))
+    y_ref, g_ref = _out_and_grads(reference)
+    y_new, g_new = _out_and_grads(model)
+    np.testing.assert_array_equal(np.asarray(y_new), np.asarray(y_ref))  # bit-for-bit
+    # relative to the largest gradient of the model (a traced gear: the last bits may differ)
+    scale = max(float(np.abs(np.asarray(b)).max()) for b in jax.tree.leaves(g_ref))
+    for a, b in zip(jax.tree.leaves(g_new), jax.tree.leaves(g_ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=GRAD_TOL * scale)
+
+
+def test_report_names_sites_and_what_was_left_alone(pair):
+    _, model, report, _ = pair
+    got = {c.path: c for c in report.converted}
+    assert set(got) == {
+        "embed",
+        "blocks.ln",
+        "blocks.attn",
+        "blocks.rms",
+        "blocks.mlp",
+        "heads.0",
+        "heads.1",
+        "proj.lg",
+    }
+    assert got["blocks.attn"].stack == (L,) and got["embed"].stack == ()
+    assert set(got["blocks.attn"].sites) == {
+        "blocks.attn",
+        "blocks.attn.query",
+        "blocks.attn.key",
+        "blocks.attn.value",
+        "blocks.attn.out",
+    }
+    assert report.sites == nan2safe.site.name_sites(model)
+    assert report.sites["blocks.ln"] == (L,) and report.sites["heads.0"] == ()
+    assert model.blocks.attn.probe_logits.get_value().shape[0] == L  # per-layer probes
+    left = {a.path: a for a in report.left_alone}
+    assert "dot_general" in left["extra.odd"].reason and left["extra.odd"].cls == "Linear"
+    assert "no nan2safe.nn counterpart" in left["drop"].reason
+    assert "outside every site" in left[""].reason and left["blocks"].cls == "Block"
+    text = str(report)
+    assert "blocks.attn: nnx.MultiHeadAttention stacked [2]" in text and "extra.odd" in text
+
+
+def test_include_exclude_and_bad_arguments():
+    m, rep = nn.convert(Model(nnx.Rngs(0)), exclude=["blocks.*", nnx.Embed], return_report=True)
+    assert isinstance(m.blocks.ln, nnx.LayerNorm) and isinstance(m.embed, nnx.Embed)
+    assert isinstance(m.heads[0], nn.Linear)
+    assert {a.path for a in rep.left_alone if a.reason == "excluded"} >= {"blocks.ln", "embed"}
+    m = nn.convert(Model(nnx.Rngs(0)), include="LayerNorm")
+    assert isinstance(m.blocks.ln, nn.LayerNorm) and isinstance(m.heads[0], nnx.Linear)
+    one = nn.convert(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))  # the root itself
+    assert isinstance(one, nn.Linear)
+    with pytest.raises(ValueError, match="include"):
+        nn.convert(Model(nnx.Rngs(0)), include=[3])
+    with pytest.raises(ValueError, match="model"):
+        nn.convert({"a": 1})
+
+
+def test_converted_model_trains_with_per_layer_gears(pair):
+    _, model, _, _ = pair
+    state = nan2safe.TrainState.create(model, optax.sgd(0.1))
+    assert state.gear.sites["blocks.attn"].shape == (L,)
+    assert "blocks.attn.probe_logits[1]" in state.detector.names
