@@ -143,8 +143,9 @@ def test_fast_outputs_equal_bit_for_bit(pair):
 
 
 def test_fast_gradients_within_tolerance():
-    """Every layer kind but attention (its FAST gradients against flax's are
-    tests/test_nn_flax_compat.py's; here it would triple this file's compile time)."""
+    """Every layer kind but attention, in the same structure (attention's FAST gradients
+    against flax's are tests/test_nn_flax_compat.py's; left out here to keep this file's
+    compile time down)."""
     reference = Model(nnx.Rngs(1), attn=False)
     model = nn.convert(nnx.clone(reference))
     y_ref, g_ref = _out_and_grads(reference)
