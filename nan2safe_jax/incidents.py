@@ -18,9 +18,9 @@ Outcomes (``Decision.kind``):
     ``convert``) and falls back to the whole model in SAFE, which only lowers the learning rate
     and changes the sites' arithmetic, never the culprit's.
   - ``"repeat"``: the culprit's site already ran in SAFE and failed again: SAFE cannot save this
-    state, so roll back with the site in SAFE for a longer stay. A culprit in no site that
-    fails again with the whole model in SAFE is not rolled back (the replay would run the same
-    code): the step stays skipped, the gears are left as they are, and the hint repeats.
+    state, so roll back with the site in SAFE for a longer stay. For a culprit in no site the
+    ``action`` says that the gears cannot fix it: the one rollback only rules out a damaged
+    state (the Trainer skips a batch that fails again on its replay, so it never loops).
   - ``"transient"``: the deterministic replay stayed finite (suspect hardware or
     non-determinism); the step was skipped, nothing else changes.
 """
@@ -223,9 +223,10 @@ def unsited_hint(report: Report, sites, nearest: str | None = None) -> str:
       nearest: the site nearest to the culprit in program order (``replay.nearest_site``).
     """
     where = report.user_source or report.source or "an unknown line"
+    scope = "" if report.site is None else f" (its scope names {report.site!r}, no site's gear)"
     text = (
         f"the culprit `{report.primitive}` ({report.direction}) at {where} is outside every "
-        "site: no gear reaches it"
+        f"site{scope}: no gear reaches it"
     )
     if not sites:
         text += " (the model has no sites at all)"
@@ -241,24 +242,27 @@ def _downshift(
     report: Report, ran: GearState, gs: GearState, cfg: Config, nearest: str | None = None
 ) -> Decision:
     """SAFE for the culprit's site; a repeat in SAFE means roll back. A culprit in no site:
-    the whole model in SAFE once, said to be a fallback; no rollback on a repeat."""
+    the whole model in SAFE, said plainly to be a fallback that cannot fix it."""
     site = report.site
     if site is None or site not in gs.sites:
         hint = unsited_hint(report, gs.sites, nearest)
-        if int(ran.level) >= Gear.SAFE:
-            action = (
-                f"{hint}. It failed again with the whole model in SAFE, so gears cannot fix it: "
-                "step skipped, no rollback (a replay would run the same code)"
-            )
-            return Decision("repeat", report, None, False, action, None, hint=hint)
+        repeat = int(ran.level) >= Gear.SAFE
         new = gear_lib.set_level(gs, Gear.SAFE, cfg)
         enter = dict(site=None, steps=cfg.safe_max_steps, scope="global", fallback=True)
-        action = (
-            f"{hint}. Fallback: whole model -> SAFE for {cfg.safe_max_steps} steps (every site "
-            f"in SAFE, learning rate x{cfg.safe_lr_factor}); that cannot change the culprit's "
-            "own arithmetic"
-        )
-        return Decision("located", report, new, False, action, enter, hint=hint)
+        if repeat:
+            action = (
+                f"{hint}. It failed again with the whole model in SAFE: the gears cannot fix "
+                "it. Rolling back once, to rule out a damaged state; if the batch fails again "
+                "on the replay it is skipped"
+            )
+        else:
+            action = (
+                f"{hint}. Fallback: whole model -> SAFE for {cfg.safe_max_steps} steps (every "
+                f"site in SAFE, learning rate x{cfg.safe_lr_factor}); that cannot change the "
+                "culprit's own arithmetic"
+            )
+        kind = "repeat" if repeat else "located"
+        return Decision(kind, report, new, repeat, action, enter, hint=hint)
     index = None
     shape = gs.sites[site].shape
     iters = [p[1] for p in report.eqn_path if isinstance(p, tuple) and p[0] == "iter"]
