@@ -17,7 +17,12 @@ The detector, the risk score and ``gear.decide`` then run on replicated inputs a
 replicated outputs (the step's ``out_shardings`` say so), so each device holds the same risk and
 the same next gear. There is no rank-0 "brain" and no collective written by hand. Under
 multi-host ``jax.distributed`` the same program runs on every process, so the host loops (which
-only read those replicated metrics) take the same branches too.
+only read those replicated metrics) take the same branches too. The host decisions that are not
+read from the step's metrics are made alike on purpose: the checkpoint verdict on a state split
+across processes is a replicated device reduction (``checkpoint.state_is_finite``), tier 2's
+decision (a replay every process runs on the same gathered arguments) is checked with
+``agree``, and a process that dies ends the others with an error (``distributed_options``,
+``lost_process_error``) instead of leaving them in a collective.
 
     mesh = nan2safe.sharding.make_mesh((2, 4), ("data", "fsdp"))
     rules = nan2safe.sharding.fsdp(mesh)                  # or data_parallel(mesh)
@@ -106,7 +111,8 @@ def init_cpu(
       num_processes: processes in the run.
       process_id: this process, ``0 <= process_id < num_processes``.
       heartbeat_timeout_s: a process that stops answering is declared dead after this long,
-        and the others stop with an error instead of waiting forever in a collective.
+        and the others stop with an error instead of waiting forever in a collective (see
+        :func:`distributed_options` for how a lost process ends the run).
       init_timeout_s: how long to wait for every process to join.
 
     Raises:
