@@ -7,9 +7,10 @@ Single host, simulated devices (CPU): the script sets
 
 ``--fault-step K`` hands over, at step K, a batch whose row ``--fault-row`` is left-padded: with
 the key-padding mask and causal attention that query sees only padding keys, its softmax row is
-fully masked and FAST attention computes 0/0. Every device takes the same downshift (the
-statistics are global reductions in the SPMD step), tier 2 replays the step on one device,
-names the attention site, and the ``locate`` event says which data shard / devices held the row.
+fully masked. FAST is flax's attention now, which fills masked logits with ``finfo.min``
+(not -inf), so that row stays finite and no incident follows (run on 2 processes here: no
+event). A NaN incident across processes is exercised by ``make multihost``
+(``tests/multihost_worker.py``: a NaN row and a 0/0 row in process 1's rows).
 
 Multi-process (one process per host, or several on one machine over loopback; every process
 runs the same command with its own ``--process-id``, gets mesh-size / num-processes CPU devices
