@@ -21,7 +21,7 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q -m "not slow" -n 2 --dist loadfile
 
 multihost: $(STAMP)
-	$(PY) -m pytest -q tests/test_multihost.py
+	$(PY) -m pytest -v tests/test_multihost.py
 
 demo: $(STAMP)
 	$(VENV)/bin/nan2safe demo

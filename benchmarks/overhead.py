@@ -15,6 +15,8 @@ the N devices are simulated: the script re-executes itself with
 
     python benchmarks/overhead.py [--rounds 5] [--steps 10] [--json PATH] [--dtype float32]
                                   [--devices N] [--sharding dp|fsdp] [--batch 8]
+    python benchmarks/overhead.py --processes 2   # N jax.distributed processes vs 1 process
+                                                  # (benchmarks/overhead_processes.py)
 """
 
 from __future__ import annotations
@@ -167,7 +169,12 @@ def main(argv=None):
     ap.add_argument("--devices", type=int, default=0, help="shard over N devices (0: one)")
     ap.add_argument("--sharding", default="dp", choices=["dp", "fsdp"])
     ap.add_argument("--batch", type=int, default=8, help="global batch size")
+    ap.add_argument("--processes", type=int, default=1, help="N processes vs one")
     args = ap.parse_args(argv)
+    if args.processes > 1:  # jax.distributed over loopback: benchmarks/overhead_processes.py
+        from overhead_processes import run_processes
+
+        return run_processes(args, sys.argv[1:] if argv is None else argv)
     rules = _rules(args, argv)
 
     cfg = TransformerConfig(

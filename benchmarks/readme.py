@@ -60,6 +60,12 @@ def _overhead(data: dict) -> str:
     return overhead.table(data)
 
 
+def _overhead_processes(data: dict) -> str:
+    import overhead_processes
+
+    return overhead_processes.table(data)
+
+
 def _ops(data: dict) -> str:
     import ops
 
@@ -108,6 +114,11 @@ def _false_alarms(doc: dict) -> str:
 # name -> (json path, table renderer, command rebuilt from the JSON's own parameters)
 TABLES: dict[str, tuple[str, Callable, Callable]] = {
     "overhead": ("docs/overhead.json", _overhead, _overhead_command),
+    "overhead_processes": (
+        "docs/overhead_processes.json",
+        _overhead_processes,
+        lambda rec, path: rec["command"],  # recorded since the script's first run
+    ),
     "zoo": ("docs/zoo_quick.json", _zoo, _zoo_command),
     "ops": ("docs/ops.json", _ops, _ops_command),
     "locate": ("docs/locate.json", _locate, _locate_command),

@@ -7,9 +7,10 @@ Single host, simulated devices (CPU): the script sets
 
 ``--fault-step K`` hands over, at step K, a batch whose row ``--fault-row`` is left-padded: with
 the key-padding mask and causal attention that query sees only padding keys, its softmax row is
-fully masked and FAST attention computes 0/0. Every device takes the same downshift (the
-statistics are global reductions in the SPMD step), tier 2 replays the step on one device,
-names the attention site, and the ``locate`` event says which data shard / devices held the row.
+fully masked. FAST is flax's attention now, which fills masked logits with ``finfo.min``
+(not -inf), so that row stays finite and no incident follows (run on 2 processes here: no
+event). A NaN incident across processes is exercised by ``make multihost``
+(``tests/multihost_worker.py``: a NaN row and a 0/0 row in process 1's rows).
 
 Multi-process (one process per host, or several on one machine over loopback; every process
 runs the same command with its own ``--process-id``, gets mesh-size / num-processes CPU devices
@@ -17,6 +18,10 @@ through ``nan2safe.sharding.init_cpu`` and passes only its own rows of every bat
 
     python examples/sharded_train.py --coordinator 127.0.0.1:12345 --num-processes 2 \\
         --process-id 0 --mesh 2x2 --steps 12 --fault-step 5 --workdir runs/mh   # and id 1
+
+``--mesh 2x2``: the data axis spans the processes and each process splits the parameters over
+its own two devices; ``--mesh 1x4 --zero3``: parameters and batch split over all four devices,
+so every parameter is split across the processes.
 
 ``jax.distributed.initialize`` connects the processes (gloo collectives on CPU); JAX's SPMD
 engine does the rest. Checkpoints (orbax) need a ``--workdir`` every process can reach.
@@ -41,6 +46,12 @@ def _args(argv=None):
     ap.add_argument("--mesh", default="2x4", help="data x fsdp, e.g. 2x4 (8x1: data parallel)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=8, help="global batch size")
+    ap.add_argument(
+        "--zero3",
+        action="store_true",
+        help="split the batch over both mesh axes (with --mesh 1xN: parameters and batch over "
+        "every device, across processes)",
+    )
     ap.add_argument("--fault-step", type=int, default=None)
     ap.add_argument("--fault-row", type=int, default=5)
     ap.add_argument("--workdir", default="runs/sharded")
@@ -76,7 +87,8 @@ def main(argv=None) -> int:
         )
     mesh = nan2safe.sharding.make_mesh((data_n, fsdp_n), ("data", "fsdp"))
     if fsdp_n > 1:
-        rules = nan2safe.sharding.fsdp(mesh, min_size=256)
+        data_axis = ("data", "fsdp") if args.zero3 else "data"
+        rules = nan2safe.sharding.fsdp(mesh, data_axis=data_axis, min_size=256)
     else:
         rules = nan2safe.sharding.data_parallel(mesh)
 
@@ -109,7 +121,8 @@ def main(argv=None) -> int:
     kernel = jax.tree_util.tree_leaves(trainer.state.params)[-1]
     procs = jax.process_count()
     print(f"devices {jax.device_count()} ({procs} processes), mesh {dict(mesh.shape)}")
-    print(f"a parameter {kernel.shape}: {kernel.sharding.spec}")
+    holders = sorted({d.process_index for d in kernel.sharding.device_set})
+    print(f"a parameter {kernel.shape}: {kernel.sharding.spec} on processes {holders}")
     print(f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f} over {len(history)} steps")
     for e in trainer.events:
         if e["type"] in ("downshift", "locate", "safe_enter", "safe_exit", "recover"):

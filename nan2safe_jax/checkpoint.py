@@ -24,9 +24,46 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from nan2safe_jax.numerics import _is_key, tree_is_finite
+from nan2safe_jax.numerics import _inexact, _is_key, tree_is_finite
 
 log = logging.getLogger(__name__)
+
+
+def state_is_finite(tree) -> bool:
+    """Whether every floating array of ``tree`` is finite, with the same answer in every process.
+
+    Arrays that span several processes (a state sharded across a ``jax.distributed`` run)
+    cannot be read on one host, and each process alone sees only its own shards: a verdict from
+    them could differ between processes, and the process that refuses a checkpoint would then
+    skip the collectives the others wait in. Such arrays are checked on device instead, by one
+    jitted reduction whose result is replicated, so every process reads the same bool. Arrays
+    held whole by this process are checked on the host (``tree_is_finite``).
+
+    Args:
+      tree: a pytree of arrays (a ``TrainState``).
+
+    Returns:
+      True when no floating leaf holds a NaN or inf.
+    """
+    spanning = [
+        x
+        for x in jax.tree_util.tree_leaves(tree)
+        if isinstance(x, jax.Array) and not x.is_fully_addressable and _inexact(x.dtype)
+    ]
+    local = jax.tree_util.tree_map(
+        lambda x: None if isinstance(x, jax.Array) and not x.is_fully_addressable else x, tree
+    )
+    if not tree_is_finite(local):
+        return False
+    if not spanning:
+        return True
+    mesh = spanning[0].sharding.mesh
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    ok = jax.jit(
+        lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])),
+        out_shardings=replicated,
+    )(spanning)
+    return bool(ok)
 
 
 def _to_saveable(state) -> dict:
@@ -106,7 +143,7 @@ class Checkpointer:
         Returns:
           Whether it was saved. A non-finite state is never written.
         """
-        ok = tree_is_finite(state) if finite is None else bool(finite)
+        ok = state_is_finite(state) if finite is None else bool(finite)
         if not ok:
             log.warning("step %d: state is not finite; checkpoint refused", step)
             return False
@@ -167,7 +204,7 @@ class Checkpointer:
                     stacklevel=2,
                 )
                 continue
-            if not tree_is_finite(state):
+            if not state_is_finite(state):
                 warnings.warn(f"checkpoint at step {step} is not finite; skipped", stacklevel=2)
                 continue
             return state, step

@@ -17,7 +17,12 @@ The detector, the risk score and ``gear.decide`` then run on replicated inputs a
 replicated outputs (the step's ``out_shardings`` say so), so each device holds the same risk and
 the same next gear. There is no rank-0 "brain" and no collective written by hand. Under
 multi-host ``jax.distributed`` the same program runs on every process, so the host loops (which
-only read those replicated metrics) take the same branches too.
+only read those replicated metrics) take the same branches too. The host decisions that are not
+read from the step's metrics are made alike on purpose: the checkpoint verdict on a state split
+across processes is a replicated device reduction (``checkpoint.state_is_finite``), tier 2's
+decision (a replay every process runs on the same gathered arguments) is checked with
+``agree``, and a process that dies ends the others with an error (``distributed_options``,
+``lost_process_error``) instead of leaving them in a collective.
 
     mesh = nan2safe.sharding.make_mesh((2, 4), ("data", "fsdp"))
     rules = nan2safe.sharding.fsdp(mesh)                  # or data_parallel(mesh)
@@ -44,14 +49,18 @@ _PARAM_FIELDS = ("params", "opt_state")
 
 __all__ = [
     "Rules",
+    "agree",
     "batch_shardings",
+    "check_agreement",
     "cpu_simulation_flags",
     "data_parallel",
+    "distributed_options",
     "fsdp",
     "host_arrays",
     "init_cpu",
     "is_replicated",
     "log_dir",
+    "lost_process_error",
     "make_mesh",
     "resolve",
     "shard_batch",
@@ -102,7 +111,8 @@ def init_cpu(
       num_processes: processes in the run.
       process_id: this process, ``0 <= process_id < num_processes``.
       heartbeat_timeout_s: a process that stops answering is declared dead after this long,
-        and the others stop with an error instead of waiting forever in a collective.
+        and the others stop with an error instead of waiting forever in a collective (see
+        :func:`distributed_options` for how a lost process ends the run).
       init_timeout_s: how long to wait for every process to join.
 
     Raises:
@@ -113,14 +123,13 @@ def init_cpu(
 
     if int(local_devices) < 1:
         raise ValueError(f"local_devices must be >= 1, got {local_devices!r}")
-    if int(num_processes) < 1:
-        raise ValueError(f"num_processes must be >= 1, got {num_processes!r}")
-    if not 0 <= int(process_id) < int(num_processes):
-        raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id!r}")
-    if coordinator is None and num_processes > 1:
-        raise ValueError("coordinator is required when num_processes > 1")
-    if coordinator is not None and not str(coordinator).rpartition(":")[2].isdigit():
-        raise ValueError(f"coordinator must look like 'host:port', got {coordinator!r}")
+    options = distributed_options(
+        coordinator,
+        num_processes,
+        process_id,
+        heartbeat_timeout_s=heartbeat_timeout_s,
+        init_timeout_s=init_timeout_s,
+    )
     from nan2safe_jax.replay._jax_compat import backends_initialized
 
     if backends_initialized():
@@ -133,17 +142,150 @@ def init_cpu(
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", int(local_devices))
-    if coordinator is None:
+    if options is None:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator,
-        int(num_processes),
-        int(process_id),
-        initialization_timeout=int(init_timeout_s),
-        heartbeat_timeout_seconds=int(heartbeat_timeout_s),
-        shutdown_timeout_seconds=3 * int(heartbeat_timeout_s),
+    jax.distributed.initialize(**options)
+
+
+def distributed_options(
+    coordinator: str | None,
+    num_processes: int = 1,
+    process_id: int = 0,
+    *,
+    heartbeat_timeout_s: int = 10,
+    init_timeout_s: int = 60,
+) -> dict | None:
+    """The keyword arguments ``init_cpu`` passes to ``jax.distributed.initialize``.
+
+    The timeouts are what bounds a run that loses a process. A process blocked in a collective
+    with a dead peer gets an error from gloo as soon as the peer's socket closes; one that is
+    not (computing, writing a checkpoint, or waiting on a peer that hangs without dying) is
+    stopped by the coordination service once the peer has missed ``heartbeat_timeout_s`` of
+    heartbeats, and ``jax.distributed.shutdown`` at exit waits at most
+    ``3 * heartbeat_timeout_s`` for the others. JAX's defaults (100 s and 300 s) would leave a
+    survivor waiting minutes.
+
+    Args:
+      coordinator: ``"host:port"`` of process 0, or None for a single process.
+      num_processes: processes in the run.
+      process_id: this process, ``0 <= process_id < num_processes``.
+      heartbeat_timeout_s: seconds without a heartbeat after which a process counts as dead.
+      init_timeout_s: seconds to wait for every process to join.
+
+    Returns:
+      The keyword arguments, or None for a single process (no ``jax.distributed``).
+
+    Raises:
+      ValueError: a count, id or timeout is out of range, or ``coordinator`` is not
+        ``host:port``.
+    """
+    if int(num_processes) < 1:
+        raise ValueError(f"num_processes must be >= 1, got {num_processes!r}")
+    if not 0 <= int(process_id) < int(num_processes):
+        raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id!r}")
+    if coordinator is None and num_processes > 1:
+        raise ValueError("coordinator is required when num_processes > 1")
+    if coordinator is not None and not str(coordinator).rpartition(":")[2].isdigit():
+        raise ValueError(f"coordinator must look like 'host:port', got {coordinator!r}")
+    if int(heartbeat_timeout_s) < 1:
+        raise ValueError(f"heartbeat_timeout_s must be >= 1, got {heartbeat_timeout_s!r}")
+    if int(init_timeout_s) < 1:
+        raise ValueError(f"init_timeout_s must be >= 1, got {init_timeout_s!r}")
+    if coordinator is None:
+        return None
+    return {
+        "coordinator_address": str(coordinator),
+        "num_processes": int(num_processes),
+        "process_id": int(process_id),
+        "initialization_timeout": int(init_timeout_s),
+        "heartbeat_timeout_seconds": int(heartbeat_timeout_s),
+        "shutdown_timeout_seconds": 3 * int(heartbeat_timeout_s),
+    }
+
+
+def lost_process_error(err: BaseException, *, process=None, count=None) -> RuntimeError | None:
+    """A clear error for a collective that failed because another process is gone, or None.
+
+    When a process of a ``jax.distributed`` run dies, the others learn it from the transport
+    (``JaxRuntimeError: Gloo all-reduce failed ... Connection closed by peer``) or from the
+    coordination service (heartbeat timeout). The Trainer re-raises the first as this error,
+    which says what happened and how to go on.
+
+    Args:
+      err: the exception a step or a device-to-host read raised.
+      process: this process's index (default ``jax.process_index()``).
+      count: processes in the run (default ``jax.process_count()``).
+
+    Returns:
+      A ``RuntimeError`` to raise ``from err``, or None when ``err`` is something else (or the
+      run has one process).
+    """
+    count = jax.process_count() if count is None else int(count)
+    if count < 2:
+        return None
+    text = str(err)
+    markers = ("Gloo", "Connection closed by peer", "Connection reset by peer", "heartbeat")
+    if not any(m in text for m in markers):
+        return None
+    process = jax.process_index() if process is None else int(process)
+    return RuntimeError(
+        f"process {process} of {count}: a collective with another process failed; a process "
+        "of the jax.distributed run has most likely died or lost its connection. This "
+        "process stops here; restart every process to resume from the newest checkpoint. "
+        f"(JAX: {text.splitlines()[0][:300]})"
     )
+
+
+def agree(value: T, what: str) -> T:
+    """``value`` after checking that every process of the run computed the same one.
+
+    Host-side decisions taken from values each process computes itself (tier 2's replay of a
+    failing step on the gathered arguments) must be identical everywhere: a process that takes
+    another branch skips collectives the others then wait in forever. The replay is
+    deterministic, so this holds; ``agree`` turns a violation into an immediate error instead
+    of a hang. One small all-gather of a digest; free with one process.
+
+    Args:
+      value: a JSON-serializable value (e.g. ``(decision.kind, site, primitive)``).
+      what: names the decision in the error.
+
+    Returns:
+      ``value``.
+
+    Raises:
+      RuntimeError: processes disagree (names them).
+    """
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    digests = multihost_utils.process_allgather(np.asarray(_digest(value), np.int64))
+    check_agreement([int(d) for d in np.ravel(digests)], what)
+    return value
+
+
+def _digest(value) -> int:
+    import hashlib
+    import json
+
+    text = json.dumps(value, sort_keys=True, default=str)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+def check_agreement(digests: Sequence[int], what: str) -> None:
+    """Raises RuntimeError naming the processes whose digest differs from process 0's.
+
+    Args:
+      digests: one digest per process, in process order (what ``agree`` gathers).
+      what: names the decision in the error.
+    """
+    differ = [i for i, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise RuntimeError(
+            f"processes {differ} took another {what} than process 0; the run cannot go on "
+            "(each would wait in collectives the others skip)"
+        )
 
 
 def log_dir(workdir):

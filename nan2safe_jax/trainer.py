@@ -287,6 +287,12 @@ class Trainer:
         except NanIncidentError as err:
             err.history = history
             raise
+        except jax.errors.JaxRuntimeError as err:  # multi-process: a peer died mid-collective
+            lost = sharding_lib.lost_process_error(err)
+            if lost is None:
+                raise
+            self.log.append("error", self.step, detail=str(lost))
+            raise lost from err
         finally:
             if bar:
                 bar.close()
@@ -381,6 +387,8 @@ class Trainer:
             before, batch = sharding_lib.to_local((before, batch))
         decision = incidents.decide(self.step_fn.jitted, before, batch, done.after, m, self.cfg)
         report = decision.report
+        where = [getattr(report, k, None) for k in ("site", "primitive")]
+        sharding_lib.agree([decision.kind, *where], "tier-2 decision")  # multi-process only
         self.last_report = report
         rd = report.to_dict()
         rd["seconds"] = rd.get("seconds") or time.perf_counter() - t0

@@ -80,3 +80,15 @@ def test_restore_before_a_step(tmp_path, trained):
     _, step = ck.restore_latest(trained, before=5)
     assert step == 3
     assert ck.restore_latest(trained, before=2) is None
+
+
+def test_state_is_finite_matches_the_host_check_in_one_process(trained):
+    from nan2safe_jax.checkpoint import state_is_finite
+
+    assert state_is_finite(trained)
+    bad = trained.replace(
+        params=jax.tree_util.tree_map(lambda p: p.at[(0,) * p.ndim].set(jnp.inf), trained.params)
+    )
+    assert not state_is_finite(bad)
+    assert not state_is_finite({"a": np.array([1.0, np.nan]), "n": np.arange(3)})
+    assert state_is_finite({"a": np.array([1.0, 2.0]), "n": np.arange(3)})
