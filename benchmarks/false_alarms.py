@@ -7,7 +7,9 @@ Two questions, one script (issue 12):
    ``nan2safe.Config``: fp16, bf16, its MoE variant (4 experts, top 2) and its ``scan_layers``
    variant. Per arm and seed: downshifts, steps not in FAST, the fraction of steps with risk
    >= 0.5, and each probe's trigger rate (steps with that probe's risk >= 0.5). Goals: 0
-   downshifts, risk >= 0.5 on <= 1% of steps.
+   downshifts, risk >= 0.5 on <= 1% of steps. A run's first incident (a non-finite step that
+   is no loss-scale overflow) is located by tier 2 (``replay.locate_step``, what the Trainer's
+   ``locate`` event holds): primitive, site, forward/backward, diagnosis, source line.
 
 2. **Early on real faults.** Precursor scenarios, each run *blind* (a ``Config`` whose detector
    can never fire, so every gear stays FAST, as in a run without the library) until the first
@@ -154,8 +156,10 @@ def run_clean(arm: str, seeds: int, steps: int) -> dict:
         first_down, first_incident = None, None
         by_risk = by_nonfinite = incidents = overflows = 0
         data = _clean_batches(seed)
+        located = None
         for t in range(steps):
-            state, m = step_fn(state, next(data))
+            before, batch = state, next(data)
+            state, m = step_fn(state, batch)
             keys = ("risk", "gear", "next_gear", "loss", "probe_risk", "probes", "incident")
             h = _host(m, (*keys, "overflow"))
             rec.append(np.stack([np.asarray(h["probes"][n], np.float32) for n in names]))
@@ -167,6 +171,7 @@ def run_clean(arm: str, seeds: int, steps: int) -> dict:
             overflows += int(bool(h["overflow"]))
             if first_incident is None and bool(h["incident"]):
                 first_incident = t
+                located = _locate(step_fn, before, batch)
             if int(h["next_gear"]) > int(h["gear"]):
                 first_down = t if first_down is None else first_down
                 # What made the policy downshift: the risk score, or a non-finite step.
@@ -186,6 +191,7 @@ def run_clean(arm: str, seeds: int, steps: int) -> dict:
                 "first_downshift": first_down,
                 "incident_steps": incidents,
                 "first_incident": first_incident,
+                "first_incident_located": located,
                 "loss_scale_overflow_steps": overflows,
                 "recoveries": int(state.gear.recoveries),
                 "steps_not_fast": int(np.sum(gears_a != 0)),
@@ -202,6 +208,18 @@ def run_clean(arm: str, seeds: int, steps: int) -> dict:
         )
         print(f"  {arm} seed {seed}: {_clean_line(runs[-1])}", file=sys.stderr, flush=True)
     return {"arm": arm, "model": ARMS[arm], "runs": runs}
+
+
+def _locate(step_fn, before, batch) -> dict:
+    """Tier 2 on a clean run's incident: what the equation was (what the Trainer would log)."""
+    from nan2safe_jax import replay
+
+    r = replay.locate_step(step_fn.jitted, before, batch)
+    keys = ("primitive", "site", "direction", "kind", "diagnosis", "source", "explanation")
+    out = {k: getattr(r, k) for k in keys}
+    out["seconds"] = round(r.seconds, 1)
+    print(f"    first incident located: {out}", file=sys.stderr, flush=True)
+    return out
 
 
 def _record(tag: str, names, rows, gears) -> None:
@@ -440,6 +458,15 @@ def clean_table(clean: list[dict]) -> str:
                 f"{r.get('incident_steps', '?'):>10}{r['steps_not_fast']:>9}"
                 f"{100 * r['risk_ge_half_frac']:>9.2f}%  {tops}"
             )
+    for a in clean:
+        for r in a["runs"]:
+            loc = r.get("first_incident_located")
+            if loc:
+                lines.append(
+                    f"  {a['arm']} seed {r['seed']}, first incident (step {r['first_incident']}): "
+                    f"`{loc['primitive']}` ({loc['direction']}) in site {loc['site']}, "
+                    f"{loc['diagnosis']}, at {Path(loc['source'] or '?').name}"
+                )
     return "\n".join(lines)
 
 
