@@ -196,6 +196,20 @@ def test_cross_entropy_agrees(dt, gear):
 
 
 @pytest.mark.parametrize("gear", GEARS)
+def test_cross_entropy_padding_with_zero_probability_has_finite_gradients(gear):
+    # a padding target whose fp16 probability underflows to exactly 0 (training pushes an
+    # uncounted token down): masked out, so neither its loss nor its gradient may be non-finite
+    logits = jnp.zeros((2, 3, 4), jnp.float16).at[1, 2, 0].set(-60000.0)
+    labels = jnp.zeros((2, 3), jnp.int32)
+    mask = jnp.ones((2, 3), bool).at[1, 2].set(False)
+    loss, g = jax.value_and_grad(lambda x: ops.cross_entropy(x, labels, gear=gear, mask=mask))(
+        logits
+    )
+    assert bool(jnp.isfinite(loss)) and bool(jnp.all(jnp.isfinite(g.astype(F32))))
+    assert bool(jnp.all(g[1, 2] == 0))
+
+
+@pytest.mark.parametrize("gear", GEARS)
 @pytest.mark.parametrize("dt", DTYPES, ids=_ids)
 def test_router_agrees(dt, gear):
     r = _rng(8)

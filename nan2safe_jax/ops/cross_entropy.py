@@ -28,6 +28,8 @@ def _ce_fast(logits, labels, mask):
     # gradient 0 · inf = NaN (the write-up's "log of 0"); all in the logits' dtype
     probs = jax.nn.softmax(logits, axis=-1)
     p = jnp.take_along_axis(probs, labels[..., None], axis=-1)[..., 0]
+    if mask is not None:  # padding never takes log 0: its gradient would be 0/0 = NaN
+        p = jnp.where(mask, p, jnp.ones_like(p))
     return _masked_mean_plain(-jnp.log(p), mask)
 
 
