@@ -79,6 +79,8 @@ def _zoo(data: list) -> str:
 
 
 def _locate_command(data: dict, path: str) -> str:
+    if data.get("commands"):  # recorded by the script (with --merge: every run merged in)
+        return "; ".join(data["commands"])
     recs = data["ladder"]
     rungs = sorted({r["rung"] for r in recs})
     layouts = sorted({r["layout"] for r in recs})
