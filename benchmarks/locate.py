@@ -7,14 +7,20 @@ a scale ladder of ``examples/transformer.py``'s model, built from ``nan2safe.nn`
 trained by ``nan2safe.make_train_step`` (the Trainer's real step): ``tiny``, ``demo`` (2 layers,
 d_model 128, seq 64, batch 8), ``4x256`` (4 layers, d_model 256, seq 128, batch 8) and ``gpt2s``
 (12 layers, d_model 768, 12 heads, seq 256, batch 2), each unrolled and with ``scan_layers``; two
-faults: ``masked_row`` (a left-padded row under a key-padding + causal mask: a fully masked
-attention row, f32) and ``fp16_logits`` (one layer's q·k scale at 3000 in fp16: the logits
-overflow). Per rung, each arm in its own fresh process with its peak RSS (an arm whose RSS passes
+faults, each a fault a stock flax model has, written in the example model's own code:
+``masked_row`` (f32; the model's hand-written attention, ``attention="user"``, fills masked
+logits with ``-inf``; a left-padded row under a key-padding + causal mask has a fully masked
+attention row: ``-inf - -inf``; the culprit is user code, in no site) and ``fp16_logits`` (fp16,
+attention with dropout configured so flax's explicit path keeps the logits in fp16; the middle
+layer's ``qk_gain`` knob at 1e5 overflows them: ``dot_general`` in the attention site). Per
+rung, each arm in its own fresh process with its peak RSS (an arm whose RSS passes
 ``RSS_LIMIT_GB`` is aborted): ``plain`` (the step's first call: compile + run), ``locate``
 (``locate_step`` after the step has run once, as in the Trainer: cold, then warm = a second
 incident on a fresh trace), ``nans`` (``jax_debug_nans`` on, first call of the step: compile,
-run, op-by-op re-run). Right = the primitive is the expected one, the site is the attention and
-the user line is ``Block.__call__``'s attention call.
+run, op-by-op re-run). Right = the primitive, the site and the user line are the expected ones
+(``fp16_logits``: the attention site, ``Block.__call__``'s attention call; ``masked_row``: no
+site, ``UserAttention``'s softmax line). ``--merge`` keeps the records of an existing JSON that
+this run does not redo.
 
 ``--suite faults`` (the earlier suite): a 4-layer pre-LN transformer written in plain JAX, trained
 with one full step (forward, ``jax.grad`` and an SGD update), in three forms: layers unrolled,
@@ -35,7 +41,8 @@ a second incident on the same step, traced afresh (as the trainer does) and loca
 whether ``jax_debug_nans`` notices anything when switched on only after the step was compiled.
 
 Usage: ``python benchmarks/locate.py [--rungs demo,4x256] [--layouts unrolled,scan]
-[--faults masked_row,fp16_logits] [--json PATH]``, ``--suite faults [--quick]``, ``--markdown``.
+[--faults masked_row,fp16_logits] [--json PATH] [--merge]``, ``--suite faults [--quick]``,
+``--markdown``.
 """
 
 from __future__ import annotations
@@ -274,11 +281,18 @@ RUNGS = {
 }
 LAYOUTS = ("unrolled", "scan")
 LADDER_FAULTS = {
-    # a left-padded batch under a key-padding + causal mask: a fully masked attention row
+    # a left-padded batch under a key-padding + causal mask: a fully masked row in the model's
+    # hand-written attention (-inf fill): -inf - -inf, in user code (no site)
     "masked_row": ("sub", "div"),
-    # fp16 attention logits of one layer scaled past 65504
+    # fp16 attention logits of one layer scaled past 65504 (flax's explicit attention path)
     "fp16_logits": ("dot_general",),
 }
+# fault -> (marker of the expected user line in examples/transformer.py, site expected)
+LADDER_WHERE = {
+    "masked_row": ("weights = jax.nn.softmax(logits", None),
+    "fp16_logits": ("self.attn(qk, qk, h", "attn"),
+}
+QK_GAIN = 1e5  # fp16_logits: the q·k gain of the middle layer (logits of O(1) -> past 65504)
 RSS_LIMIT_GB = 8.0
 
 
@@ -312,20 +326,24 @@ def build_ladder(rung: str, layout: str, fault: str):
     from examples.transformer import Transformer, TransformerConfig, lm_loss, set_knob
 
     r = RUNGS[rung]
+    fp16 = fault == "fp16_logits"
     cfg = TransformerConfig(
         num_layers=r["num_layers"],
         d_model=r["d_model"],
         num_heads=r["num_heads"],
         seq_len=r["seq_len"],
         vocab=128,
-        dtype=jnp.float16 if fault == "fp16_logits" else jnp.float32,
+        dtype=jnp.float16 if fp16 else jnp.float32,
         param_dtype=jnp.float32,
         pad_mask="keys",
         scan_layers=layout == "scan",
+        layers="nan2safe",
+        attention="mha" if fp16 else "user",
+        attn_dropout=0.1 if fp16 else 0.0,
     )
     model = Transformer(cfg, rngs=nnx.Rngs(0))
-    if fault == "fp16_logits":
-        set_knob(model, "qk_scale", 3000.0, layer=cfg.num_layers // 2)
+    if fp16:
+        set_knob(model, "qk_gain", QK_GAIN, layer=cfg.num_layers // 2)
     b, t = r["batch"], r["seq_len"]
     tokens = jax.random.randint(jax.random.key(1), (b, t), 1, cfg.vocab, dtype=jnp.int32)
     mask = jnp.ones((b, t), bool)
@@ -337,12 +355,12 @@ def build_ladder(rung: str, layout: str, fault: str):
     return step.jitted, (state, batch)
 
 
-def _block_call_line() -> str:
-    """``transformer.py:LINE`` of ``Block.__call__``'s attention call (the expected user line)."""
+def _user_line(marker: str) -> str:
+    """``transformer.py:LINE`` of the line of examples/transformer.py holding ``marker``."""
     path = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "transformer.py")
     with open(path) as f:
         for i, line in enumerate(f, 1):
-            if "self.attn(self.ln1(x)" in line:
+            if marker in line:
                 return f"transformer.py:{i}"
     return "?"
 
@@ -418,7 +436,6 @@ def _run_ladder_child(arm: str, rung: str, layout: str, fault: str) -> dict:
 
 def ladder(rungs: list[str], layouts: list[str], faults: list[str]) -> list[dict]:
     """Every rung x layout x fault, each arm in its own fresh process."""
-    want_line = _block_call_line()
     records = []
     for rung in rungs:
         for layout in layouts:
@@ -428,11 +445,17 @@ def ladder(rungs: list[str], layouts: list[str], faults: list[str]) -> list[dict
                     rec[arm] = _run_ladder_child(arm, rung, layout, fault)
                     print(f"done {rung}/{layout}/{fault}/{arm}", file=sys.stderr, flush=True)
                 lo, na, pl = rec["locate"], rec["nans"], rec["plain"]
-                rec["expected"] = f"{'|'.join(LADDER_FAULTS[fault])} called from {want_line}"
+                marker, want_site = LADDER_WHERE[fault]
+                want_line = _user_line(marker)
+                rec["expected"] = (
+                    f"{'|'.join(LADDER_FAULTS[fault])} called from {want_line}, "
+                    f"site {'*' + want_site if want_site else None}"
+                )
+                site = lo.get("site")
                 rec["locate_correct"] = (
                     lo.get("primitive") in LADDER_FAULTS[fault]
                     and lo.get("user_source") == want_line
-                    and (lo.get("site") or "").endswith("attn")
+                    and (site is None if want_site is None else (site or "").endswith(want_site))
                 )
                 rec["nans_correct"] = na.get("primitive") in LADDER_FAULTS[fault]
                 if "rss_gb" in lo and "step_rss_gb" in pl:
@@ -525,6 +548,11 @@ def main() -> None:
     ap.add_argument("--faults", default=",".join(LADDER_FAULTS))
     ap.add_argument("--quick", action="store_true", help="faults suite: unrolled variant only")
     ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="ladder: keep the records of the existing --json file that this run does not redo",
+    )
+    ap.add_argument(
         "--markdown", action="store_true", help="print the README table of an existing JSON"
     )
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -544,13 +572,22 @@ def main() -> None:
         return
     if a.suite == "ladder":
         records = ladder(a.rungs.split(","), a.layouts.split(","), a.faults.split(","))
-        print_ladder(records)
         path = a.json or os.path.join(os.path.dirname(os.path.dirname(HERE)), "docs", "locate.json")
+        cmd = "python benchmarks/locate.py " + " ".join(sys.argv[1:])
+        commands = [cmd]
+        if a.merge and os.path.exists(path):
+            with open(path) as f:
+                old = json.load(f)
+            redone = {(r["rung"], r["layout"], r["fault"]) for r in records}
+            kept = [r for r in old["ladder"] if (r["rung"], r["layout"], r["fault"]) not in redone]
+            records = kept + records
+            commands = old.get("commands", []) + commands
+        order = {k: i for i, k in enumerate(RUNGS)}
+        records.sort(key=lambda r: (order.get(r["rung"], 99), r["layout"], r["fault"]))
+        print_ladder(records)
         with open(path, "w") as f:
-            cmd = "python benchmarks/locate.py " + " ".join(sys.argv[1:])
-            json.dump(
-                {"command": cmd, "ladder": records, "rss_limit_gb": RSS_LIMIT_GB}, f, indent=1
-            )
+            doc = {"commands": commands, "ladder": records, "rss_limit_gb": RSS_LIMIT_GB}
+            json.dump(doc, f, indent=1)
         return
 
     lines = _marker_lines()

@@ -49,9 +49,13 @@ def _ops_command(rec: dict, path: str) -> str:
 
 
 def _zoo_command(records: list, path: str) -> str:
+    import zoo
+
     steps = {r["steps"] for r in records}
     size = "--quick" if steps == {100} else f"--steps {max(steps)}"
-    return f"python benchmarks/zoo.py {size} --json {path}"
+    names = list(dict.fromkeys(r["scenario"] for r in records))
+    only = "" if set(names) == set(zoo.SCENARIOS) else f" --only {','.join(names)}"
+    return f"python benchmarks/zoo.py {size}{only} --json {path}"
 
 
 def _overhead(data: dict) -> str:
@@ -85,6 +89,8 @@ def _zoo(data: list) -> str:
 
 
 def _locate_command(data: dict, path: str) -> str:
+    if data.get("commands"):  # recorded by the script (with --merge: every run merged in)
+        return "; ".join(data["commands"])
     recs = data["ladder"]
     rungs = sorted({r["rung"] for r in recs})
     layouts = sorted({r["layout"] for r in recs})

@@ -7,9 +7,12 @@ data and weights; a knob or a data property only decides *when* it fires:
 scenario            mechanism
 ==================  ===========================================================================
 qk_growth           the q·k scale of layer 1 grows (a head whose q/k norms blow up) and stays
-                    high: fp16 logits pass 65504 -> inf, softmax inf - inf -> NaN
+                    high; the attention has dropout configured, so flax.nnx keeps its logits in
+                    fp16: they pass 65504 -> inf, softmax inf - inf -> NaN
 masked_rows         one left-padded batch with a key-padding mask (``pad_mask="keys"``) under
-                    a causal mask: a padding query sees no key, exp(-inf) = 0 -> 0/0
+                    a causal mask: a padding query sees no key. The model's own hand-written
+                    attention (``UserAttention``) fills masked logits with -inf: -inf - -inf
+                    = NaN (flax's attention fills with the dtype's minimum: no fault there)
 ln_const_rows       LayerNorm with ``epsilon=0`` on sensor rows imputed with one constant:
                     variance 0 -> rsqrt(0) = inf, 0 * inf = NaN
 loss_scale          loss scale 2**24 with fp16 compute: the scaled cotangents overflow fp16
@@ -22,12 +25,16 @@ moe_router          MoE router scores grow (router weights scaled up, ``logit_sc
                     the fp16 scores overflow and the router softmax gives inf - inf = NaN
 data_nan            one batch of sensor data holds NaN features (a corrupted record)
 intermittent        left padding in 1 of every 15 batches (as masked_rows, data dependent and
-                    recurring: SAFE, recovery, again)
+                    recurring)
 ==================  ===========================================================================
 
-Arms: ``plain`` (optax adamw, fp16 compute, no loss scale, no guard); ``recipe`` (Flax
-``DynamicScale`` + ``optax.apply_if_finite`` + ``optax.clip_by_global_norm(1.0)``, updates
-of non-finite steps dropped); ``nan2safe`` (``Trainer`` with ``guard``).
+Arms: ``plain`` (the model on stock ``flax.nnx`` layers, ``layers="flax"``: what a user has;
+optax adamw, fp16 compute, no loss scale, no guard); ``recipe`` (the same stock model plus
+Flax/optax's own remedies: Flax ``DynamicScale`` + ``optax.apply_if_finite`` +
+``optax.clip_by_global_norm(1.0)``, updates of non-finite steps dropped); ``nan2safe`` (the
+same model with the ``nan2safe.nn`` sites swapped in, ``layers="nan2safe"``, same parameters
+from the same seed; ``Trainer`` with ``guard``). The model's own code (a hand-written attention
+or router, the fault knobs) is the same in every arm.
 
 Per scenario and arm: survived (finite parameters at the end, no stall of more than 50
 consecutive skipped steps, mean loss of the last 10 steps within 1.5x of a fault-free run of
@@ -165,13 +172,17 @@ def sensor_batches(steps: int, const_rows=(), nan_rows=(), seed: int = 0) -> lis
 
 
 class SensorNet(nnx.Module):
-    """``LayerNorm(eps) -> Linear -> gelu -> Linear`` on per-time-step sensor features."""
+    """``LayerNorm(eps) -> Linear -> gelu -> Linear`` on per-time-step sensor features.
 
-    def __init__(self, *, epsilon: float, dtype: Any, rngs: nnx.Rngs):
+    ``layers``: ``"flax"`` (stock ``flax.nnx``) or ``"nan2safe"`` (``nan2safe.nn`` sites).
+    """
+
+    def __init__(self, *, epsilon: float, dtype: Any, layers: str, rngs: nnx.Rngs):
+        lib = nnx if layers == "flax" else n2s_nn
         kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-        self.norm = n2s_nn.LayerNorm(FEATURES, epsilon=epsilon, **kw)
-        self.fc1 = n2s_nn.Linear(FEATURES, 64, **kw)
-        self.fc2 = n2s_nn.Linear(64, 1, **kw)
+        self.norm = lib.LayerNorm(FEATURES, epsilon=epsilon, **kw)
+        self.fc1 = lib.Linear(FEATURES, 64, **kw)
+        self.fc2 = lib.Linear(64, 1, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.fc2(jax.nn.gelu(self.fc1(self.norm(x))))[..., 0]
@@ -193,17 +204,33 @@ def _lm_config(**kw) -> TransformerConfig:
         dtype=jnp.float16,
         param_dtype=jnp.float32,
         pad_mask="keys",
+        # dropout configured (run deterministic), as in many GPT-style configs: flax.nnx then
+        # keeps the attention logits in fp16 (its explicit-weights path)
+        attn_dropout=0.1,
     )
     return TransformerConfig(**(base | kw))
 
 
-MODELS: dict[str, Callable[[], nnx.Module]] = {
-    "lm": lambda: Transformer(_lm_config(), rngs=nnx.Rngs(0)),
-    "lm_fp16w": lambda: Transformer(_lm_config(param_dtype=jnp.float16), rngs=nnx.Rngs(0)),
-    "lm_moe": lambda: Transformer(_lm_config(num_experts=4, top_k=2), rngs=nnx.Rngs(0)),
-    "sensor": lambda: SensorNet(epsilon=0.0, dtype=jnp.float16, rngs=nnx.Rngs(0)),
+def _lm(**kw) -> Callable[[str], nnx.Module]:
+    return lambda layers: Transformer(_lm_config(layers=layers, **kw), rngs=nnx.Rngs(0))
+
+
+# model key -> builder(layers): "flax" for the plain and recipe arms, "nan2safe" for nan2safe
+MODELS: dict[str, Callable[[str], nnx.Module]] = {
+    "lm": _lm(),
+    "lm_user_attn": _lm(attention="user"),
+    "lm_fp16w": _lm(param_dtype=jnp.float16),
+    "lm_moe": _lm(num_experts=4, top_k=2),
+    "sensor": lambda layers: SensorNet(
+        epsilon=0.0, dtype=jnp.float16, layers=layers, rngs=nnx.Rngs(0)
+    ),
 }
-LOSSES = {"lm": lm_loss, "lm_fp16w": lm_loss, "lm_moe": lm_loss, "sensor": sensor_loss}
+LOSSES = {k: sensor_loss if k == "sensor" else lm_loss for k in MODELS}
+
+
+def _layers(arm: str) -> str:
+    """The layer set of an arm: the user's stock flax.nnx, or the nan2safe.nn sites."""
+    return "nan2safe" if arm == "nan2safe" else "flax"
 
 
 def _adamw(eps: float = 1e-8):
@@ -244,9 +271,26 @@ def _site_prim(sites, prims):
     return check
 
 
+def _user_code(prims, line_marker: str):
+    """The culprit is in the model's own code (no site): the primitive, and the user line is
+    the line of ``examples/transformer.py`` holding ``line_marker``."""
+    path = _REPO / "examples" / "transformer.py"
+    lines = [
+        f"transformer.py:{i}"
+        for i, text in enumerate(path.read_text().splitlines(), 1)
+        if line_marker in text
+    ]
+
+    def check(r: dict) -> bool:
+        where = {str(r.get("user_source") or ""), str(r.get("source") or "")}
+        return r.get("primitive") in prims and any(w.endswith(tuple(lines)) for w in where)
+
+    return check
+
+
 _OVERFLOW_PRIMS = {"dot_general", "mul", "exp", "convert_element_type", "add", "reduce_sum"}
 _MASKED_PRIMS = {"div", "sub"}  # softmax 0/0, or -inf - -inf of the row max
-_ATTN_SITES = {"blocks.0.attn", "blocks.1.attn"}
+_SOFTMAX_LINE = "weights = jax.nn.softmax(logits"  # UserAttention's softmax
 
 
 def _every(n: int, steps: int) -> tuple:
@@ -262,18 +306,19 @@ SCENARIOS: dict[str, Scenario] = {
             "lm",
             lambda steps, faulty: lm_batches(steps),
             knobs=lambda step, steps, faulty: (
-                (("qk_scale", _growth(step, steps, 0.3, 1.6, 24) if faulty else 1.0, 1),)
+                (("qk_gain", _growth(step, steps, 0.3, 1.6, 24) if faulty else 1.0, 1),)
             ),
             expect=_site_prim({"blocks.1.attn"}, _OVERFLOW_PRIMS),
             expect_text="blocks.1.attn: dot_general|mul|exp|convert|add|reduce_sum",
         ),
         Scenario(
             "masked_rows",
-            "left-padded batch, key-padding + causal mask: fully masked row, softmax 0/0",
-            "lm",
+            "left-padded batch, key-padding + causal mask: a fully masked row in the model's "
+            "hand-written attention (-inf fill): -inf - -inf = NaN",
+            "lm_user_attn",
             lambda steps, faulty: lm_batches(steps, (int(0.4 * steps),) if faulty else ()),
-            expect=_site_prim(_ATTN_SITES, _MASKED_PRIMS),
-            expect_text="blocks.{0,1}.attn: div|sub",
+            expect=_user_code(_MASKED_PRIMS, _SOFTMAX_LINE),
+            expect_text="no site: div|sub at UserAttention's softmax line",
         ),
         Scenario(
             "ln_const_rows",
@@ -320,11 +365,12 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "intermittent",
-            "left padding in 1 of every 15 batches: fully masked rows, recurring",
-            "lm",
+            "left padding in 1 of every 15 batches: fully masked rows in the hand-written "
+            "attention, recurring",
+            "lm_user_attn",
             lambda steps, faulty: lm_batches(steps, _every(15, steps) if faulty else ()),
-            expect=_site_prim(_ATTN_SITES, _MASKED_PRIMS),
-            expect_text="blocks.{0,1}.attn: div|sub",
+            expect=_user_code(_MASKED_PRIMS, _SOFTMAX_LINE),
+            expect_text="no site: div|sub at UserAttention's softmax line",
         ),
     ]
 }
@@ -349,7 +395,7 @@ def _plain_step(model_key: str, eps: float):
     key = ("plain", model_key, eps)
     if key not in _STEPS:
         tx = _adamw(eps)
-        graphdef = nnx.graphdef(MODELS[model_key]())
+        graphdef = nnx.graphdef(MODELS[model_key]("flax"))
         loss_fn = LOSSES[model_key]
 
         @jax.jit
@@ -373,7 +419,7 @@ def _recipe_step(model_key: str, eps: float):
     if key not in _STEPS:
         inner = optax.chain(optax.clip_by_global_norm(1.0), _adamw(eps))
         tx = optax.apply_if_finite(inner, max_consecutive_errors=STALL)
-        graphdef = nnx.graphdef(MODELS[model_key]())
+        graphdef = nnx.graphdef(MODELS[model_key]("flax"))
         loss_fn = LOSSES[model_key]
 
         @jax.jit
@@ -397,7 +443,7 @@ def _recipe_step(model_key: str, eps: float):
 def _run_functional(sc: Scenario, arm: str, steps: int, faulty: bool, data: list) -> dict:
     """The plain and recipe arms: a hand-written jitted step, one host sync per step."""
     eps = sc.eps(faulty)
-    model = MODELS[sc.model]()
+    model = MODELS[sc.model](_layers(arm))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     scale = sc.scale(faulty)
     if arm == "plain":
@@ -489,7 +535,9 @@ def _run_nan2safe(sc: Scenario, steps: int, faulty: bool, data: list, workdir: P
     tx, step_fn = _n2s_parts(sc.model, sc.eps(faulty), CFG)
     if workdir.exists():
         shutil.rmtree(workdir)
-    trainer = nan2safe.Trainer(MODELS[sc.model](), tx, LOSSES[sc.model], CFG, workdir, resume=False)
+    trainer = nan2safe.Trainer(
+        MODELS[sc.model](_layers("nan2safe")), tx, LOSSES[sc.model], CFG, workdir, resume=False
+    )
     trainer.step_fn = step_fn  # one compile per model/optimizer/config, shared by runs
     if scale is not None:
         # Config(loss_scale_init=scale), set in the state instead: the same compiled step (and

@@ -2,25 +2,31 @@
 
 Run with ``make demo`` (or ``nan2safe demo``). A character-level decoder (2 layers, d_model 128,
 fp16 compute, f32 parameters) learns a synthetic arithmetic corpus. Its attention has dropout
-configured (``attn_dropout``), so FAST takes flax.nnx's explicit-weights path with the logits in
-fp16, exactly as a stock ``flax.nnx`` model does. What goes wrong:
+configured (``attn_dropout``), so ``flax.nnx.MultiHeadAttention`` takes its explicit-weights path
+with the logits in fp16. What goes wrong:
 
 1. From step ``SPIKE`` the q·k scale of layer 1 grows geometrically for a while and then relaxes
    (the attention-logit growth of the write-up: a head whose q/k norms blow up). In fp16 the
    logits pass 65504, overflow to inf, and softmax turns inf - inf into NaN.
-2. At steps ``LEFT_PADDED`` the data loader hands over a left-padded batch: a padding query sees
-   only padding keys. This was a 0/0 in our old FAST softmax; FAST now fills masked logits with
-   the dtype's minimum as Flax does, so the row is finite in both arms (kept to show it).
+2. At step ``JUMP`` the q·k scale of layer 0 jumps for one step (no precursor to see): the fp16
+   logits overflow at once.
+3. At steps ``LEFT_PADDED`` the data loader hands over a left-padded batch: a padding query sees
+   only padding keys. flax fills masked logits with the dtype's minimum, so the row is finite in
+   both arms (it was a 0/0 in our old FAST softmax; kept to show it is no fault).
 
-Arm 1, plain optax (adamw, dynamic-free fp16 compute): dies at the first fault, loss NaN.
-Arm 2, nan2safe (Trainer): tier 1 sees the logits racing toward the limit and downshifts to
-STABLE (f32 logits) before anything overflows; staged recovery brings it back to FAST; tier 2
-stands by for any non-finite step.
+Arm 1, plain optax: the model on stock ``flax.nnx`` layers (``layers="flax"``), adamw, fp16
+compute: dies at the first fault, loss NaN. Arm 2, nan2safe: the same model with the
+``nan2safe.nn`` sites swapped in (``layers="nan2safe"``: same parameters, same FAST numerics),
+trained by the Trainer: tier 1 sees the logits racing toward the limit and downshifts to STABLE
+(f32 logits) before anything overflows; staged recovery brings it back to FAST; at the jump
+tier 2 replays the failing step, names the attention of layer 0, puts that site in SAFE and
+training carries on.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import sys
 import time
@@ -44,6 +50,7 @@ STEPS = 240
 SPIKE = 70  # first step of the q·k scale growth
 SPIKE_UP, SPIKE_HOLD, SPIKE_DOWN = 24, 10, 16
 SPIKE_RATE = 1.5
+JUMP, JUMP_SCALE = 190, 1e5  # one step: the q·k scale of layer 0
 LEFT_PADDED = (150,)
 GEARS = ("FAST", "STABLE", "SAFE")
 MODEL = TransformerConfig(
@@ -56,6 +63,7 @@ MODEL = TransformerConfig(
     param_dtype=jnp.float32,
     pad_mask="keys",
     attn_dropout=0.1,
+    layers="nan2safe",  # the nan2safe arm; the plain arm builds it with layers="flax"
 )
 CFG = nan2safe.Config(
     min_history=24, safe_max_steps=8, recovery_window=32, checkpoint_every=40, log_every=1
@@ -118,18 +126,29 @@ def qk_scale(step: int) -> float:
     return max(SPIKE_RATE ** (SPIKE_UP - k * SPIKE_UP / SPIKE_DOWN), 1.0)
 
 
+def jump_scale(step: int) -> float:
+    """The one-step q·k scale of layer 0 at ``step``."""
+    return JUMP_SCALE if step == JUMP else 1.0
+
+
 def _faulted(stream, set_scale):
     for step, batch in enumerate(stream):
-        set_scale(qk_scale(step))
+        set_scale(step)
         yield batch
+
+
+def _set_faults(model: nnx.Module, step: int) -> None:
+    """Writes the fault knobs of ``step`` into ``model`` (model data: never recompiles)."""
+    set_knob(model, "qk_gain", qk_scale(step), layer=1)
+    set_knob(model, "qk_gain", jump_scale(step), layer=0)
 
 
 # ------------------------------------------------------------------------------ arms
 
 
 def run_plain(data) -> list[dict]:
-    """Plain optax: the same model, always FAST, adamw, one jitted step."""
-    model = Transformer(MODEL, rngs=nnx.Rngs(0))
+    """Plain optax: the model on stock flax.nnx layers, adamw, one jitted step."""
+    model = Transformer(dataclasses.replace(MODEL, layers="flax"), rngs=nnx.Rngs(0))
     tx = optax.adamw(LR)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     opt = tx.init(params)
@@ -146,7 +165,7 @@ def run_plain(data) -> list[dict]:
     dead_since = None
     for t, batch in enumerate(data):
         m = nnx.merge(graphdef, params, rest)
-        set_knob(m, "qk_scale", qk_scale(t), layer=1)
+        _set_faults(m, t)
         _, _, rest = nnx.split(m, nnx.Param, ...)
         params, opt, loss = step(params, opt, rest, batch)
         loss = float(loss)
@@ -169,17 +188,18 @@ def run_plain(data) -> list[dict]:
 
 
 def run_nan2safe(data, workdir: Path):
-    """nan2safe: the Trainer with both tiers; prints events as they happen."""
+    """nan2safe: the model with the nan2safe.nn sites, the Trainer with both tiers; prints
+    events as they happen."""
     model = Transformer(MODEL, rngs=nnx.Rngs(0))
     trainer = nan2safe.Trainer(
         model, optax.adamw(LR), lm_loss, CFG, workdir, factory="examples.demo:factory"
     )
     shown = 0
 
-    def set_scale(value):
-        # The knob is model data: changing it never recompiles. Write it into the state.
+    def set_scale(step):
+        # The knobs are model data: changing them never recompiles. Write them into the state.
         m = trainer.state.model
-        set_knob(m, "qk_scale", value, layer=1)
+        _set_faults(m, step)
         _, _, rest = nnx.split(m, nnx.Param, ...)
         trainer.state = trainer.state.replace(rest=rest)
 
@@ -253,6 +273,7 @@ def main(argv=None) -> int:
     print(
         f"model: {MODEL.num_layers} layers, d_model {MODEL.d_model}, seq {MODEL.seq_len}, "
         f"fp16 compute; faults: q·k scale of layer 1 grows from step {SPIKE}, "
+        f"q·k scale of layer 0 jumps x{JUMP_SCALE:g} at step {JUMP}, "
         f"left-padded batch at step(s) {list(LEFT_PADDED)}\n"
     )
     t0 = time.time()

@@ -1,5 +1,5 @@
-"""The fault zoo (benchmarks/zoo.py): the data-NaN scenario in `make test`; ln_const and the
-full sweep are slow."""
+"""The fault zoo (benchmarks/zoo.py): the arms' layer sets and the stock-flax faults, and the
+data-NaN scenario in `make test`; ln_const and the full sweep are slow."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import json
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
+
+from nan2safe_jax.site import SiteGear
 
 _ZOO = Path(__file__).resolve().parents[1] / "benchmarks" / "zoo.py"
 
@@ -28,6 +34,34 @@ def test_scenarios_are_complete(zoo):
         assert sc.model in zoo.MODELS and sc.mechanism
         faulty, clean = sc.batches(20, True), sc.batches(20, False)
         assert len(faulty) == len(clean) == 20
+
+
+def _has_sites(model) -> bool:
+    return any(isinstance(v, SiteGear) for _, v in nnx.iter_graph(model))
+
+
+def test_plain_arm_is_stock_flax_and_nan2safe_swaps_in_sites(zoo):
+    """plain/recipe run the model on flax.nnx layers (no site); nan2safe on nan2safe.nn sites,
+    with the same parameters from the same seed."""
+    assert zoo._layers("plain") == zoo._layers("recipe") == "flax"
+    for key, build in zoo.MODELS.items():
+        stock, ours = build("flax"), build(zoo._layers("nan2safe"))
+        assert not _has_sites(stock) and _has_sites(ours), key
+        p1 = nnx.to_pure_dict(nnx.state(stock, nnx.Param))
+        p2 = nnx.to_pure_dict(nnx.state(ours, nnx.Param))
+        same = jax.tree_util.tree_map(lambda a, b: bool(np.array_equal(a, b)), p1, p2)
+        assert jax.tree_util.tree_all(same), key
+
+
+def test_masked_row_is_a_fault_of_the_users_attention_not_of_flax(zoo):
+    """A left-padded batch (fully masked rows): NaN logits in the model's hand-written -inf
+    attention on stock flax layers; finite through flax's own attention (dtype-minimum fill)."""
+    batch = zoo.lm_batches(1, left_padded=(0,))[0]
+    assert not bool(jnp.all(batch["mask"][:, 0]))  # some row starts with padding
+    user = zoo.MODELS["lm_user_attn"]("flax")
+    stock = zoo.MODELS["lm"]("flax")
+    assert not np.all(np.isfinite(np.asarray(user(batch["tokens"], batch["mask"]))))
+    assert np.all(np.isfinite(np.asarray(stock(batch["tokens"], batch["mask"]))))
 
 
 @pytest.mark.slow  # a full Trainer run with a cold tier-2 locate; test_trainer covers the loop fast
