@@ -44,9 +44,9 @@ PROBE_KINDS = (
     "loss_logits",  # CrossEntropy.probe_logits: row-sampled logits entering the loss
     "linear_output",  # Linear / Embed.probe_output, only where built with probe=True
 )
-# The default: every kind but ``attn_probs``. A collapsing attention row shows in its logits
-# first (the max logit grows before the max probability saturates at 1), and the probability
-# probe is the only one that costs a full extra pass over the attention weights.
+# The default: every kind but ``attn_probs``, the only one that costs a full extra pass over
+# the attention weights. ``attn_logits`` watches the same rows; the zoo's fast scenarios and
+# the detector tests still detect without it (a judgement, not a lead-time measurement).
 DEFAULT_PROBES = tuple(k for k in PROBE_KINDS if k != "attn_probs")
 
 _ENABLED: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
