@@ -7,6 +7,22 @@ Both arms train the demo-size decoder (4 layers, d_model 256, seq 128, batch 8, 
 Variants are interleaved over rounds so machine drift hits both alike; each round times
 ``--steps`` steps after a warm-up. Prints min/median/max per arm and the median ratio.
 
+``--ablation`` adds two arms that split the overhead (interleaved with the others):
+  guard    — the *plain* flax.nnx model through make_train_step with guard(optax.adamw): the step
+             machinery alone (loss scale, geared clip, skip, detector, polluted-input check,
+             per-site learning-rate factors; the plain model has no sites and no probes);
+  noprobe  — the nan2safe model with ``Config(probes=())``: the sites and their gear dispatch
+             without any probe statistic.
+Each round is timed on the wall clock and on the process's CPU clock (``time.process_time``:
+the work done, less sensitive to other jobs on a shared machine); both ratios are reported.
+
+``--compile`` times ``jax.jit(step).lower(...)`` and ``.compile()`` of each arm instead, each
+arm in a fresh subprocess (no cache shared between arms; the persistent compilation cache is
+off), with its peak RSS; a child past ``--rss-cap-gb`` is killed and reported as such.
+``--scan-layers`` builds the nan2safe model with ``nnx.scan`` over stacked blocks (the plain
+arm stays a Python loop: flax's usual layout). The GPT-2-small shape:
+``--compile --layers 12 --d-model 768 --heads 12 --seq 256 --dtype float16``.
+
 With ``--devices N`` both arms run sharded over N devices (``--sharding dp``: batch over a
 ``data`` axis of N, parameters replicated; ``fsdp``: a ``2 x N/2`` data x fsdp mesh, parameters
 and optimizer state split over ``fsdp``), the plain arm jitted with the same shardings. On CPU
@@ -14,7 +30,9 @@ the N devices are simulated: the script re-executes itself with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (it must be set before JAX starts).
 
     python benchmarks/overhead.py [--rounds 5] [--steps 10] [--json PATH] [--dtype float32]
-                                  [--devices N] [--sharding dp|fsdp] [--batch 8]
+                                  [--devices N] [--sharding dp|fsdp] [--batch 8] [--ablation]
+                                  [--compile] [--scan-layers] [--layers 4] [--d-model 256]
+                                  [--heads 4] [--seq 128] [--rss-cap-gb 5]
     python benchmarks/overhead.py --processes 2   # N jax.distributed processes vs 1 process
                                                   # (benchmarks/overhead_processes.py)
 """
@@ -25,7 +43,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -113,49 +133,206 @@ def make_plain(cfg, tx, rules=None):
         carry[0], carry[1], loss = step(carry[0], carry[1], rest, batch)
         return loss
 
+    run.lower = lambda batch: step.lower(carry[0], carry[1], rest, batch)
     return run
 
 
-def make_n2s(cfg, tx, rules=None):
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    state = nan2safe.TrainState.create(model, nan2safe.optax.guard(tx), nan2safe.Config())
-    step = nan2safe.make_train_step(lm_loss, rules=rules)
+def make_n2s(cfg, tx, rules=None, n2s_cfg=None, model=None, loss_fn=lm_loss):
+    """The nan2safe arm; ``model``/``loss_fn`` default to the example transformer (the guard
+    ablation passes the plain model and its loss)."""
+    model = Transformer(cfg, rngs=nnx.Rngs(0)) if model is None else model
+    n2s_cfg = nan2safe.Config() if n2s_cfg is None else n2s_cfg
+    state = nan2safe.TrainState.create(model, nan2safe.optax.guard(tx), n2s_cfg)
+    step = nan2safe.make_train_step(loss_fn, rules=rules)
     carry = [state]
 
     def run(batch):
         carry[0], m = step(carry[0], batch)
         return m["loss"]
 
+    run.lower = lambda batch: step.jitted.lower(carry[0], batch)
     return run
 
 
+def make_arm(name, cfg, tx, rules=None):
+    """One arm of the comparison by name (see the module docstring)."""
+    if name == "plain":
+        return make_plain(cfg, tx, rules)
+    if name == "nan2safe":
+        return make_n2s(cfg, tx, rules)
+    if name == "noprobe":
+        return make_n2s(cfg, tx, rules, n2s_cfg=nan2safe.Config(probes=()))
+    if name == "guard":
+        model = PlainTransformer(cfg, rngs=nnx.Rngs(0))
+        return make_n2s(cfg, tx, rules, model=model, loss_fn=plain_loss)
+    raise ValueError(f"unknown arm {name!r}")
+
+
 def time_steps(run, batches, steps):
-    t0 = time.perf_counter()
+    """``(wall, cpu)`` seconds per step over ``steps`` steps."""
+    t0, c0 = time.perf_counter(), time.process_time()
     loss = None
     for i in range(steps):
         loss = run(batches[i % len(batches)])
     jax.block_until_ready(loss)
-    return (time.perf_counter() - t0) / steps
+    return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
 
 def table(record: dict) -> str:
     """The record of ``main`` (or its JSON) as the printed table."""
+    lines = []
+    if "times_s" in record:
+        lines += _timing_table(record)
+    for label, rec in record.get("compile", {}).items():
+        lines += ["", f"compile time, {label}:"] + _compile_table(rec)
+    return "\n".join(lines).strip("\n")
+
+
+def _model_line(record: dict) -> str:
     if "layers" in record:
         model = f"{record['layers']} layers, d_model {record['d_model']}, seq {record['seq']}"
     else:  # a JSON from before the model size was recorded: the script's defaults ran
         model = "size not recorded (the script's defaults)"
+    return f"model: {model}, batch {record['batch']}"
+
+
+def _timing_table(record: dict) -> list[str]:
     lines = [
         f"backend {record['backend']}  devices {record['devices']}  dtype {record['dtype']}",
-        f"model: {model}, batch {record['batch']}",
+        _model_line(record),
     ]
     if record.get("sharding"):
         lines.append(f"sharding: {record['sharding']}  mesh {record['mesh']}")
-    lines.append(f"{'arm':<10} {'min ms':>9} {'median ms':>10} {'max ms':>9}")
+    cpu = record.get("cpu_median_s")
+    head = f"{'arm':<10} {'min ms':>9} {'median ms':>10} {'max ms':>9} {'x plain':>8}"
+    lines.append(head + (f" {'cpu ms':>9} {'cpu x':>7}" if cpu else ""))
+    base = record["median_s"]["plain"]
     for k, v in record["times_s"].items():
         med = record["median_s"][k]
-        lines.append(f"{k:<10} {min(v) * 1e3:9.2f} {med * 1e3:10.2f} {max(v) * 1e3:9.2f}")
+        row = f"{k:<10} {min(v) * 1e3:9.2f} {med * 1e3:10.2f} {max(v) * 1e3:9.2f} {med / base:8.3f}"
+        if cpu:
+            row += f" {cpu[k] * 1e3:9.2f} {cpu[k] / cpu['plain']:7.3f}"
+        lines.append(row)
     lines.append(f"ratio nan2safe / plain (median): {record['ratio']:.3f}x")
-    return "\n".join(lines)
+    if cpu:
+        lines.append(f"ratio on the CPU clock (median): {cpu['nan2safe'] / cpu['plain']:.3f}x")
+    return lines
+
+
+def _compile_table(rec: dict) -> list[str]:
+    lines = [
+        f"`{rec['command']}`",
+        f"backend {rec['backend']}  dtype {rec['dtype']}  scan_layers {rec['scan_layers']}",
+        _model_line(rec),
+        f"{'arm':<10} {'trace s':>8} {'compile s':>10} {'peak RSS GB':>12}",
+    ]
+    for k, r in rec["arms"].items():
+        if r.get("error"):
+            lines.append(f"{k:<10} {r['error']}")
+            continue
+        lines.append(f"{k:<10} {r['lower_s']:8.1f} {r['compile_s']:10.1f} {r['rss_gb']:12.2f}")
+    if rec.get("ratio") is not None:
+        lines.append(f"compile ratio nan2safe / plain: {rec['ratio']:.2f}x")
+    return lines
+
+
+def _model_cfg(args) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=args.layers,
+        d_model=args.d_model,
+        num_heads=args.heads,
+        seq_len=args.seq,
+        dtype=jnp.dtype(args.dtype),
+        scan_layers=args.scan_layers,
+    )
+
+
+def _compile_child(args) -> None:
+    """In a fresh process: lower and compile one arm's step; prints one JSON line."""
+    cfg = _model_cfg(args)
+    batch = make_batch(jax.random.key(0), cfg, args.batch)
+    run = make_arm(args.compile_child, cfg, optax.adamw(3e-4))
+    t0 = time.perf_counter()
+    lowered = run.lower(batch)
+    t1 = time.perf_counter()
+    lowered.compile()
+    t2 = time.perf_counter()
+    print("RESULT " + json.dumps({"lower_s": t1 - t0, "compile_s": t2 - t1}), flush=True)
+
+
+def _run_child(argv: list[str], arm: str, cap_gb: float, timeout_s: float) -> dict:
+    """Runs ``--compile-child arm`` in a subprocess; its peak RSS from ``os.wait4``; killed
+    past ``cap_gb`` of RSS or ``timeout_s``."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--compile-child", arm]
+    env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    killed: list[str] = []
+
+    def watch():
+        t0 = time.monotonic()
+        while proc.poll() is None:
+            try:
+                status = Path(f"/proc/{proc.pid}/status").read_text()
+                rss_kb = int(
+                    next(ln for ln in status.splitlines() if ln.startswith("VmRSS")).split()[1]
+                )
+            except (OSError, StopIteration, ValueError):
+                rss_kb = 0
+            if rss_kb > cap_gb * 2**20 or time.monotonic() - t0 > timeout_s:
+                killed.append(f"killed: RSS {rss_kb / 2**20:.1f} GB, {time.monotonic() - t0:.0f} s")
+                proc.kill()
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    out = proc.stdout.read().decode()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    watcher.join()
+    rss_gb = usage.ru_maxrss / 2**20  # KiB on Linux
+    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        return {"error": killed[0] if killed else f"exit {proc.returncode}", "rss_gb": rss_gb}
+    return {**json.loads(line[len("RESULT ") :]), "rss_gb": rss_gb}
+
+
+def _compile_main(args, argv) -> dict:
+    orig = list(sys.argv[1:] if argv is None else argv)
+    argv = [a for a in orig if a != "--compile"]
+    if "--json" in argv:
+        i = argv.index("--json")
+        del argv[i : i + 2]
+    arms = {
+        a: _run_child(argv, a, args.rss_cap_gb, args.child_timeout) for a in ("plain", "nan2safe")
+    }
+    ok = all("compile_s" in r for r in arms.values())
+    rec = {
+        "arms": arms,
+        "ratio": arms["nan2safe"]["compile_s"] / arms["plain"]["compile_s"] if ok else None,
+        "dtype": args.dtype,
+        "scan_layers": args.scan_layers,
+        "backend": jax.default_backend(),
+        "batch": args.batch,
+        "layers": args.layers,
+        "d_model": args.d_model,
+        "heads": args.heads,
+        "seq": args.seq,
+        "command": _command(orig),
+    }
+    label = f"{args.layers}L d{args.d_model} seq{args.seq} {args.dtype}"
+    label += " scan" if args.scan_layers else " unrolled"
+    print("\n".join(_compile_table(rec)))
+    if args.json:  # merged into the timing record's file, under "compile"
+        doc = json.loads(args.json.read_text()) if args.json.exists() else {}
+        doc.setdefault("compile", {})[label] = rec
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1))
+    return rec
+
+
+def _command(argv) -> str:
+    return " ".join(["python", "benchmarks/overhead.py", *(sys.argv[1:] if argv is None else argv)])
 
 
 def main(argv=None):
@@ -165,32 +342,46 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--scan-layers", action="store_true")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--devices", type=int, default=0, help="shard over N devices (0: one)")
     ap.add_argument("--sharding", default="dp", choices=["dp", "fsdp"])
     ap.add_argument("--batch", type=int, default=8, help="global batch size")
     ap.add_argument("--processes", type=int, default=1, help="N processes vs one")
+    ap.add_argument("--ablation", action="store_true", help="add the guard and noprobe arms")
+    ap.add_argument("--compile", action="store_true", help="time lower + compile per arm")
+    ap.add_argument("--rss-cap-gb", type=float, default=5.0)
+    ap.add_argument("--child-timeout", type=float, default=600.0)
+    ap.add_argument("--compile-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.processes > 1:  # jax.distributed over loopback: benchmarks/overhead_processes.py
         from overhead_processes import run_processes
 
         return run_processes(args, sys.argv[1:] if argv is None else argv)
+    if args.compile_child:
+        return _compile_child(args)
+    if args.compile:
+        return _compile_main(args, argv)
     rules = _rules(args, argv)
 
-    cfg = TransformerConfig(
-        num_layers=args.layers, d_model=args.d_model, dtype=jnp.dtype(args.dtype)
-    )
+    cfg = _model_cfg(args)
     tx = optax.adamw(3e-4)
     batches = [make_batch(jax.random.key(i), cfg, args.batch) for i in range(4)]
     if rules is not None:
         batches = [nan2safe.sharding.shard_batch(b, rules) for b in batches]
-    arms = {"plain": make_plain(cfg, tx, rules), "nan2safe": make_n2s(cfg, tx, rules)}
+    names = ["plain", "nan2safe"] + (["guard", "noprobe"] if args.ablation else [])
+    arms = {k: make_arm(k, cfg, tx, rules) for k in names}
     for run in arms.values():  # compile and warm up
         time_steps(run, batches, 3)
     times = {k: [] for k in arms}
+    cpu = {k: [] for k in arms}
     for _ in range(args.rounds):
         for name, run in arms.items():
-            times[name].append(time_steps(run, batches, args.steps))
+            wall, c = time_steps(run, batches, args.steps)
+            times[name].append(wall)
+            cpu[name].append(c)
 
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med["nan2safe"] / med["plain"]
@@ -198,6 +389,8 @@ def main(argv=None):
         "ratio": ratio,
         "median_s": med,
         "times_s": times,
+        "cpu_median_s": {k: statistics.median(v) for k, v in cpu.items()},
+        "cpu_s": cpu,
         "rounds": args.rounds,
         "steps_per_round": args.steps,
         "dtype": args.dtype,
@@ -209,13 +402,14 @@ def main(argv=None):
         "layers": args.layers,
         "d_model": args.d_model,
         "seq": cfg.seq_len,
-        "command": " ".join(
-            ["python", "benchmarks/overhead.py", *(sys.argv[1:] if argv is None else argv)]
-        ),
+        "command": _command(argv),
     }
     print(table(record))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
+        old = json.loads(args.json.read_text()) if args.json.exists() else {}
+        if "compile" in old:  # compile records of the same file are kept
+            record["compile"] = old["compile"]
         args.json.write_text(json.dumps(record, indent=1))
     return record
 

@@ -193,11 +193,11 @@ def _worker(argv) -> int:
         batches.append(nan2safe.sharding.shard_batch(local if procs > 1 else b, rules))
     arms = {"plain": make_plain(cfg, tx, rules), "nan2safe": make_n2s(cfg, tx, rules)}
     for run in arms.values():
-        time_steps(run, batches, 3)
+        time_steps(run, batches, 3)  # warm-up (compile)
     times = {k: [] for k in arms}
     for _ in range(a.rounds):
         for name, run in arms.items():
-            times[name].append(time_steps(run, batches, a.steps))
+            times[name].append(time_steps(run, batches, a.steps)[0])  # wall seconds
     med = {k: statistics.median(v) for k, v in times.items()}
     record = {
         "ratio": med["nan2safe"] / med["plain"],

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from nan2safe_jax.probe import DEFAULT_PROBES, PROBE_KINDS
+
 
 def _check(ok: bool, name: str, value, accepted: str) -> None:
     if not ok:
@@ -66,6 +68,11 @@ class Config:
       spike_lr_factor: learning-rate factor for ``spike_lr_steps`` steps after the rollback.
       spike_lr_steps: how long ``spike_lr_factor`` applies (0: the learning rate is kept).
       spike_max_rollbacks: loss-spike rollbacks at most per ``Trainer``; later spikes are logged.
+      probes: the probe kinds the sites compute and the detector watches, a tuple of names from
+        ``nan2safe_jax.probe.PROBE_KINDS``; default ``probe.DEFAULT_PROBES`` (every kind but
+        ``attn_probs``, the only one that costs an extra pass over an op's largest tensor).
+        Widen it (``PROBE_KINDS``) or narrow it (``()``: only the loss and gradient probes);
+        a kind that is off is not traced, so it costs nothing.
     """
 
     window: int = 128
@@ -101,6 +108,7 @@ class Config:
     spike_lr_factor: float = 1.0
     spike_lr_steps: int = 0
     spike_max_rollbacks: int = 3
+    probes: tuple[str, ...] = DEFAULT_PROBES
 
     def __post_init__(self):
         def is_int(v):
@@ -300,6 +308,16 @@ class Config:
             "spike_max_rollbacks",
             self.spike_max_rollbacks,
             "an int >= 0",
+        )
+        if isinstance(self.probes, list):  # e.g. read back from JSON: kept hashable
+            object.__setattr__(self, "probes", tuple(self.probes))
+        _check(
+            isinstance(self.probes, tuple)
+            and all(isinstance(k, str) and k in PROBE_KINDS for k in self.probes)
+            and len(set(self.probes)) == len(self.probes),
+            "probes",
+            self.probes,
+            f"a tuple of distinct probe kinds from {PROBE_KINDS}",
         )
 
     @property

@@ -59,7 +59,7 @@ from jax import lax
 
 from nan2safe_jax import ops
 from nan2safe_jax import probe as probe_lib
-from nan2safe_jax.probe import cheap_stats, sampled_stats
+from nan2safe_jax.probe import cheap_stats, probe_enabled, sampled_stats
 from nan2safe_jax.site import Probe, SiteGear, site_scope
 
 __all__ = [
@@ -114,6 +114,12 @@ def _read(var: nnx.Variable, fill) -> jax.Array:
     return var[...]
 
 
+def _write_if(var: nnx.Variable, st: Mapping[str, jax.Array], key: str, kind: str) -> None:
+    """Writes ``st[key]`` into probe ``var`` when probe kind ``kind`` is on in this trace."""
+    if probe_enabled(kind):
+        _write(var, st[key])
+
+
 def _write(var: nnx.Variable, value: jax.Array) -> None:
     """Overwrites a probe (replacing an abstract value whole, see ``_read``)."""
     if isinstance(var.get_value(), jax.ShapeDtypeStruct):
@@ -128,7 +134,10 @@ def _no_sharding(name: str, out_sharding) -> None:
 
 
 class _Site(nnx.Module):
-    """Adds the site attributes: ``gear``, ``site_name``."""
+    """Adds the site attributes: ``gear``, ``site_name``; ``probe_kinds`` maps each ``Probe``
+    attribute to its kind in ``probe.PROBE_KINDS`` (``Config.probes`` selects kinds)."""
+
+    probe_kinds: Mapping[str, str] = MappingProxyType({})
 
     def _init_site(self) -> None:
         self.gear = SiteGear(jnp.zeros((), jnp.int32))
@@ -153,6 +162,8 @@ class Linear(_Site):
     gear returns FAST's dtype (see ``ops.linear``). A custom ``dot_general`` raises (the gears
     need to own the matmul).
     """
+
+    probe_kinds = MappingProxyType({"probe_output": "linear_output"})
 
     def __init__(
         self,
@@ -208,7 +219,7 @@ class Linear(_Site):
                 precision=self.precision,
                 preferred_element_type=self.preferred_element_type,
             )
-            if self.probe_output is not None:
+            if self.probe_output is not None and probe_enabled("linear_output"):
                 _write(self.probe_output, cheap_stats(y))
         return y
 
@@ -293,6 +304,8 @@ class Embed(_Site):
     index. ``attend`` (tied output logits) goes through ``ops.linear`` and so is gear-switched.
     """
 
+    probe_kinds = MappingProxyType({"probe_output": "linear_output"})
+
     def __init__(
         self,
         num_embeddings: int,
@@ -327,7 +340,7 @@ class Embed(_Site):
                 y = jnp.broadcast_to(emb, inputs.shape + (self.features,))
             else:
                 y = jnp.take(emb, inputs, axis=0)
-            if self.probe_output is not None:
+            if self.probe_output is not None and probe_enabled("linear_output"):
                 _write(self.probe_output, cheap_stats(y))
         return y
 
@@ -352,6 +365,8 @@ class LayerNorm(_Site):
     ``probe_output`` (``sampled_stats`` of the output) and ``probe_inv_std`` (stats of every
     row's ``1/sqrt(var + eps)``: its max_abs rises as the smallest variance collapses).
     """
+
+    probe_kinds = MappingProxyType({"probe_output": "norm_output", "probe_inv_std": "norm_inv_std"})
 
     def __init__(
         self,
@@ -413,13 +428,16 @@ class LayerNorm(_Site):
                 use_fast_variance=self.use_fast_variance,
                 return_stats=True,
             )
-            _write(self.probe_output, sampled_stats(y))
-            _write(self.probe_inv_std, st["inv_std"])
+            if probe_enabled("norm_output"):
+                _write(self.probe_output, sampled_stats(y))
+            _write_if(self.probe_inv_std, st, "inv_std", "norm_inv_std")
         return y
 
 
 class RMSNorm(_Site):
     """``nnx.RMSNorm`` (last axis) as a site, through ``ops.rms_norm``; probes as LayerNorm."""
+
+    probe_kinds = MappingProxyType({"probe_output": "norm_output", "probe_inv_std": "norm_inv_std"})
 
     def __init__(
         self,
@@ -468,8 +486,9 @@ class RMSNorm(_Site):
                 use_fast_variance=self.use_fast_variance,
                 return_stats=True,
             )
-            _write(self.probe_output, sampled_stats(y))
-            _write(self.probe_inv_std, st["inv_std"])
+            if probe_enabled("norm_output"):
+                _write(self.probe_output, sampled_stats(y))
+            _write_if(self.probe_inv_std, st, "inv_std", "norm_inv_std")
         return y
 
 
@@ -499,6 +518,8 @@ class MultiHeadAttention(_Site):
     ``probe_probs`` (stats of every row's max probability). Knob: ``qk_scale`` multiplies the
     logits (1.0 changes no bit).
     """
+
+    probe_kinds = MappingProxyType({"probe_logits": "attn_logits", "probe_probs": "attn_probs"})
 
     def __init__(
         self,
@@ -771,10 +792,15 @@ class MultiHeadAttention(_Site):
             precision=self.precision,
             return_stats=True,
             return_weights=sow_weights,
+            stats=tuple(
+                s
+                for s, k in (("logits", "attn_logits"), ("probs", "attn_probs"))
+                if probe_enabled(k)
+            ),
         )
         y, st = res[0], res[1]
-        _write(self.probe_logits, st["logits"])
-        _write(self.probe_probs, st["probs"])
+        _write_if(self.probe_logits, st, "logits", "attn_logits")
+        _write_if(self.probe_probs, st, "probs", "attn_probs")
         if sow_weights:
             w = res[2]
             self.sow(nnx.Intermediate, "attention_weights", jnp.reshape(w, batch + w.shape[1:]))
@@ -830,6 +856,8 @@ class Router(_Site):
     (growing router weights: the write-up's fp16 router overflow).
     """
 
+    probe_kinds = MappingProxyType({"probe_logits": "router_logits"})
+
     def __init__(
         self,
         in_features: int,
@@ -859,7 +887,7 @@ class Router(_Site):
         with self._scope():
             kernel = kernel * _read(self.logit_scale, 1.0).astype(kernel.dtype)
             r, st = ops.router(x, kernel, self.top_k, gear=self._gear(), return_stats=True)
-            _write(self.probe_logits, st["logits"])
+            _write_if(self.probe_logits, st, "logits", "router_logits")
         return r
 
 
@@ -870,6 +898,8 @@ class CrossEntropy(_Site):
     localizer and the gear state treat it like any other site. Probe: ``probe_logits``.
     """
 
+    probe_kinds = MappingProxyType({"probe_logits": "loss_logits"})
+
     def __init__(self, *, rngs: nnx.Rngs | None = None):
         del rngs
         self._init_site()
@@ -879,7 +909,8 @@ class CrossEntropy(_Site):
         self, logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None
     ) -> jax.Array:
         with self._scope():
-            _write(self.probe_logits, sampled_stats(logits))
+            if probe_enabled("loss_logits"):
+                _write(self.probe_logits, sampled_stats(logits))
             return ops.cross_entropy(logits, labels, self._gear(), mask=mask)
 
 

@@ -18,6 +18,8 @@ Producers, from most to least thorough:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import NamedTuple
 
 import jax
@@ -29,6 +31,48 @@ NUM_STATS = len(STATS)
 MAX_ABS, MEAN, VAR, NONFINITE, HEADROOM = range(NUM_STATS)
 
 PROBE_SAMPLE = 8192  # elements read by a sampled probe
+
+# The probe kinds a site can write, by what they watch (``Config.probes`` selects among them):
+PROBE_KINDS = (
+    "attn_logits",  # MultiHeadAttention.probe_logits: each query row's max logit (the row max
+    # the softmax computes anyway)
+    "attn_probs",  # MultiHeadAttention.probe_probs: each row's max probability (an extra
+    # reduction over [b, h, q, k])
+    "norm_inv_std",  # LayerNorm / RMSNorm.probe_inv_std: every row's 1/sqrt(var + eps)
+    "norm_output",  # LayerNorm / RMSNorm.probe_output: row-sampled output statistics
+    "router_logits",  # Router.probe_logits: the scores ([tokens, experts], small)
+    "loss_logits",  # CrossEntropy.probe_logits: row-sampled logits entering the loss
+    "linear_output",  # Linear / Embed.probe_output, only where built with probe=True
+)
+# The default: every kind but ``attn_probs``, the only one that costs a full extra pass over
+# the attention weights. ``attn_logits`` watches the same rows; the zoo's fast scenarios and
+# the detector tests still detect without it (a judgement, not a lead-time measurement).
+DEFAULT_PROBES = tuple(k for k in PROBE_KINDS if k != "attn_probs")
+
+_ENABLED: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
+    "nan2safe_probes", default=None
+)
+
+
+@contextlib.contextmanager
+def probe_set(kinds):
+    """Sites traced inside this block compute only the probe kinds in ``kinds``.
+
+    The train step enters it with ``Config.probes``; outside any block every kind is on, so a
+    module called directly writes all its probes. A kind that is off is not traced at all (its
+    ``Probe`` variable keeps its last value and the step leaves it out of the detector).
+    """
+    token = _ENABLED.set(frozenset(kinds))
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+def probe_enabled(kind: str) -> bool:
+    """Whether probe kind ``kind`` (one of ``PROBE_KINDS``) is computed in the current trace."""
+    on = _ENABLED.get()
+    return on is None or kind in on
 
 
 class ProbeStats(NamedTuple):

@@ -76,7 +76,7 @@ class TrainState(struct.PyTreeNode):
         if not guard_lib.is_guarded(probe_opt):
             tx = guard_lib.guard(tx, cfg)
             probe_opt = tx.init(params)
-        names = tuple(collect_probes(model)) + BUILTIN_PROBES
+        names = tuple(watched_probes(model, cfg.probes)) + BUILTIN_PROBES
         return cls(
             graphdef=graphdef,
             params=params,
@@ -134,10 +134,29 @@ def _with_gears(state: TrainState):
     return rest
 
 
+def watched_probes(model: nnx.Module, kinds) -> dict[str, jax.Array]:
+    """``collect_probes(model)`` less the probes of a kind not in ``kinds`` (``Config.probes``).
+
+    A site maps its ``Probe`` attributes to kinds in ``probe_kinds``; a probe a module declares
+    or sows outside that map is always watched.
+    """
+    kinds = frozenset(kinds)
+    off = set()
+    for path, node in nnx.iter_graph(model):
+        for attr, kind in getattr(node, "probe_kinds", {}).items():
+            if kind not in kinds:
+                off.add(path_name((*path, attr)))
+    probes = collect_probes(model)
+    if not off:
+        return probes
+    return {k: v for k, v in probes.items() if k.split("[", 1)[0] not in off}
+
+
 def _forward(state: TrainState, rest, params, batch, loss_fn, has_aux: bool = False):
     model = nnx.merge(state.graphdef, params, rest, copy=True)
     declared = {path for path, node in nnx.iter_graph(model) if isinstance(node, Probe)}
-    out = loss_fn(model, batch)
+    with probe_lib.probe_set(state.cfg.probes):
+        out = loss_fn(model, batch)
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
             raise ValueError(
@@ -156,7 +175,7 @@ def _forward(state: TrainState, rest, params, batch, loss_fn, has_aux: bool = Fa
             f"loss_fn must return a scalar loss, got shape {getattr(loss, 'shape', type(loss))}; "
             "reduce it (e.g. with .mean()) inside loss_fn"
         )
-    probes = collect_probes(model)
+    probes = watched_probes(model, state.cfg.probes)
     # Probes sown during the call are new variables: drop them so the state keeps its structure.
     sown = lambda path, node: isinstance(node, Probe) and tuple(path) not in declared
     nnx.pop(model, sown)

@@ -71,17 +71,25 @@ def _large_negative(dtype) -> jax.Array:
     return jnp.asarray(-0.7 * big, dtype=dtype)
 
 
-def _row_probe(padded, fill, probs):
+ATTN_STATS = ("logits", "probs")
+
+
+def _row_probe(padded, fill, probs, want=ATTN_STATS):
     """Per-row probe values: the max attended logit (0 on a fully-masked row, whose max is the
-    fill value: an intentional mask is not a logit) and the max probability."""
-    rm = jnp.max(padded, axis=-1)
-    rm = jnp.where(rm <= fill, jnp.zeros((), rm.dtype), rm)
-    return rm, jnp.max(probs, axis=-1)
+    fill value: an intentional mask is not a logit) and the max probability; None for a value
+    not in ``want`` (not traced: the probability's max is a pass over ``[b, h, q, k]``)."""
+    rm = None
+    if "logits" in want:
+        rm = jnp.max(padded, axis=-1)
+        rm = jnp.where(rm <= fill, jnp.zeros((), rm.dtype), rm)
+    return rm, (jnp.max(probs, axis=-1) if "probs" in want else None)
 
 
 def _attn_stats(row_max, pmax):
-    """Probe statistics of per-row values (cheap: ``[b, h, q]``, not ``[b, h, q, k]``)."""
-    return {"logits": probe.op_stats(row_max), "probs": probe.op_stats(pmax)}
+    """Probe statistics of per-row values (cheap: ``[b, h, q]``, not ``[b, h, q, k]``); only
+    the values given (not None)."""
+    vals = {"logits": row_max, "probs": pmax}
+    return {k: probe.op_stats(v) for k, v in vals.items() if v is not None}
 
 
 def _dpa_precision(dtype):
@@ -99,7 +107,7 @@ def _dpa_precision(dtype):
     return None
 
 
-def _fused_core(q, k, v, mask, scale, causal):
+def _fused_core(q, k, v, mask, scale, causal, want=ATTN_STATS):
     """``jax.nn.dot_product_attention``'s XLA core for one query group (``[B, T, K, H]``)."""
     logits_dtype = jnp.promote_types(q.dtype, _F32)
     logits = jnp.einsum(
@@ -121,11 +129,11 @@ def _fused_core(q, k, v, mask, scale, causal):
     padded = logits.astype(_F32)
     probs = jax.nn.softmax(padded, axis=-1)
     out = jnp.einsum("BNTS,BSNH->BTNH", probs.astype(k.dtype), v)
-    row_max, pmax = _row_probe(padded, fill.astype(_F32), probs)
+    row_max, pmax = _row_probe(padded, fill.astype(_F32), probs, want)
     return out, lax.stop_gradient(row_max), lax.stop_gradient(pmax)
 
 
-def _fast_fused(q, k, v, mask, mult, scale, *, causal, precision, weights):
+def _fast_fused(q, k, v, mask, mult, scale, *, causal, precision, weights, want=ATTN_STATS):
     """FAST, fused: flax without dropout / sow = ``jax.nn.dot_product_attention`` (XLA)."""
     del mult, precision, weights  # no dropout and no weights on this path
     b, t, n, h = q.shape
@@ -138,14 +146,14 @@ def _fast_fused(q, k, v, mask, mult, scale, *, causal, precision, weights):
             mask = jnp.broadcast_to(mask[:, :, None], (mb, mn, g, mt, ms))
         else:
             mask = jnp.reshape(mask, (mb, kh, g, mt, ms))
-    core = functools.partial(_fused_core, causal=causal)
+    core = functools.partial(_fused_core, causal=causal, want=want)
     out, row_max, pmax = jax.vmap(
         core, in_axes=(3, None, None, None if mask is None else 2, None), out_axes=(3, 2, 2)
     )(qg, k, v, mask, scale)
     return jnp.reshape(out, (b, t, n, h)), _attn_stats(row_max, pmax), None
 
 
-def _fast_explicit(q, k, v, mask, mult, scale, *, causal, precision, weights):
+def _fast_explicit(q, k, v, mask, mult, scale, *, causal, precision, weights, want=ATTN_STATS):
     """FAST, explicit: flax's ``dot_product_attention_weights`` and weighted sum (dropout /
     ``sow_weights``). ``scale`` is the fault-injection multiplier only (1.0: exact no-op)."""
     dtype = q.dtype
@@ -173,7 +181,7 @@ def _fast_explicit(q, k, v, mask, mult, scale, *, causal, precision, weights):
         w = jnp.where(jnp.broadcast_to(combined, w.shape), w, fill)
     masked = w
     w = jax.nn.softmax(w).astype(dtype)
-    row_max, pmax = _row_probe(masked, fill, w)
+    row_max, pmax = _row_probe(masked, fill, w, want)
     sown = w if weights else None
     if mult is not None:
         w = w * mult
@@ -196,7 +204,7 @@ def _repeat_kv(q, k, v):
     return jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
 
 
-def _attn_stable(q, k, v, mask, mult, scale, *, causal, base_scale, weights):
+def _attn_stable(q, k, v, mask, mult, scale, *, causal, base_scale, weights, want=ATTN_STATS):
     dt = q.dtype
     k, v = _repeat_kv(q, k, v)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=_F32)
@@ -205,7 +213,7 @@ def _attn_stable(q, k, v, mask, mult, scale, *, causal, base_scale, weights):
     fill = _large_negative(_F32)
     padded = logits if m is None else jnp.where(m, logits, fill)
     probs = jax.nn.softmax(padded, axis=-1)
-    row_max, pmax = _row_probe(padded, fill, probs)
+    row_max, pmax = _row_probe(padded, fill, probs, want)
     sown = probs.astype(dt) if weights else None
     if mult is not None:
         probs = probs * mult.astype(_F32)
@@ -214,7 +222,7 @@ def _attn_stable(q, k, v, mask, mult, scale, *, causal, base_scale, weights):
     return _saturate(out, dt), st, sown
 
 
-def _attn_safe(q, k, v, mask, mult, scale, *, causal, base_scale, weights):
+def _attn_safe(q, k, v, mask, mult, scale, *, causal, base_scale, weights, want=ATTN_STATS):
     dt = q.dtype
     k, v = _repeat_kv(q, k, v)
     qf, kf, vf = q.astype(_F32), k.astype(_F32), v.astype(_F32)
@@ -239,8 +247,8 @@ def _attn_safe(q, k, v, mask, mult, scale, *, causal, base_scale, weights):
     sown = probs.astype(dt) if weights else None
     p = probs if mult is None else probs * mult.astype(_F32)
     out = jnp.einsum("bhqk,bkhd->bqhd", p, vf, precision=_HIGHEST)
-    row_max = (mx * _pow2(eqt) * _pow2(ekt) * sc)[..., 0]  # the true max logit (f32)
-    pmax = jnp.max(probs, axis=-1)  # 0 on a fully-masked row
+    row_max = (mx * _pow2(eqt) * _pow2(ekt) * sc)[..., 0] if "logits" in want else None
+    pmax = jnp.max(probs, axis=-1) if "probs" in want else None  # 0 on a fully-masked row
     st = _attn_stats(lax.stop_gradient(row_max), lax.stop_gradient(pmax))
     return _saturate(out, dt), st, sown
 
@@ -270,6 +278,7 @@ def attention(
     precision: Any = None,
     return_stats: bool = False,
     return_weights: bool = False,
+    stats: tuple[str, ...] = ATTN_STATS,
 ):
     """Dot-product attention: ``softmax(scale · q·kᵀ, masked) · v``; see the module docstring.
 
@@ -296,6 +305,8 @@ def attention(
         while still showing logit growth toward the dtype's max and attention collapse.
       return_weights: also return the attention weights ``[batch, heads, q_len, k_len]``
         (before dropout; flax's ``sow_weights``; needs ``explicit=True``).
+      stats: which of ``"logits"``, ``"probs"`` ``return_stats`` computes (a statistic left
+        out is not traced; the probabilities' max costs a pass over the weights).
 
     Returns:
       ``[batch, q_len, heads, v_dim]`` in the inputs' float dtype; then the stats and/or the
@@ -321,6 +332,9 @@ def attention(
             f"v [b, k_len, kv_h, dv] with h a multiple of kv_h; got q {q.shape}, k {k.shape}, "
             f"v {v.shape}"
         )
+    want = tuple(s for s in ATTN_STATS if s in stats) if return_stats else ()
+    if set(stats) - set(ATTN_STATS):
+        raise ValueError(f"attention: stats must be among {ATTN_STATS}, got {stats!r}")
     if (dropout_multiplier is not None or return_weights) and not explicit:
         raise ValueError("attention: dropout_multiplier / return_weights need explicit=True")
     default_scale = float(np.float32(1.0 / np.sqrt(q.shape[-1])))
@@ -335,20 +349,23 @@ def attention(
     causal = bool(causal)
     if explicit:
         fast = functools.partial(
-            _fast_explicit, causal=causal, precision=precision, weights=return_weights
+            _fast_explicit, causal=causal, precision=precision, weights=return_weights, want=want
         )
         fast_args = lambda q, k, v, m, d, s: fast(q, k, v, m, d, s)  # noqa: E731
     else:
-        fused = functools.partial(_fast_fused, causal=causal, precision=None, weights=False)
+        fused = functools.partial(
+            _fast_fused, causal=causal, precision=None, weights=False, want=want
+        )
         fast_args = lambda q, k, v, m, d, s: fused(  # noqa: E731
             q, k, v, m, d, jnp.float32(base_scale) * s
         )
-    kw = dict(causal=causal, base_scale=base_scale, weights=return_weights)
-    branches = [
-        fast_args,
-        functools.partial(_attn_stable, **kw),
-        functools.partial(_attn_safe, **kw),
-    ]
+    kw = dict(causal=causal, base_scale=base_scale, weights=return_weights, want=want)
+    stable = functools.partial(_attn_stable, **kw)
+    if not explicit and dt == _F32:
+        # flax's fused path already takes f32 logits, mask fill and softmax: at f32 it is
+        # STABLE's math, so the two gears share one compiled path
+        stable = fast_args
+    branches = [fast_args, stable, functools.partial(_attn_safe, **kw)]
     out, st, w = _switch_fast_vjp(
         gear, branches, autodiff_fast(fast_args), q, k, v, mask, mult, knob
     )

@@ -4,6 +4,10 @@ A Python int dispatches directly (no ``cond`` in the program); anything else, no
 int32 scalar inside ``jit``, goes through ``lax.switch``: one compile serves all three gears.
 ``branch_site`` re-enters a site's name scope inside every branch so the localizer can name it,
 and ``_switch_fast_vjp`` keeps the FAST backward from paying for the untaken paths.
+
+Gears whose paths are the same function (an op passes the same callable, decided at trace time
+from the dtype: an f32 ``Linear``'s STABLE *is* its FAST) share one branch: XLA compiles each
+distinct path once, and a gear that maps to a single path needs no ``switch`` at all.
 """
 
 from __future__ import annotations
@@ -29,6 +33,23 @@ def _static_gear(gear: Any) -> int | None:
     except TypeError:
         return None
     return g
+
+
+def _distinct(gear: jax.Array, branches: Sequence[Callable[..., Any]]):
+    """``(index, unique)``: the distinct branches (first occurrence order) and the gear mapped
+    onto them (clamped to ``[0, len(branches) - 1]`` first, as ``lax.switch`` does)."""
+    unique: list[Callable[..., Any]] = []
+    table = []
+    for b in branches:
+        found = next((i for i, u in enumerate(unique) if u is b), None)
+        if found is None:
+            unique.append(b)
+            found = len(unique) - 1
+        table.append(found)
+    if len(unique) == len(branches):
+        return gear, unique
+    idx = jnp.clip(gear, 0, len(branches) - 1)
+    return jnp.asarray(table, jnp.int32)[idx], unique
 
 
 def switch(gear: Any, branches: Sequence[Callable[..., Any]], *operands: Any) -> Any:
@@ -60,10 +81,13 @@ def switch(gear: Any, branches: Sequence[Callable[..., Any]], *operands: Any) ->
         )
     if not jnp.issubdtype(gear.dtype, jnp.integer):
         gear = gear.astype(jnp.int32)
+    gear, branches = _distinct(gear.astype(jnp.int32), branches)
+    if len(branches) == 1:
+        return branches[0](*operands)
     name = current_branch_site()
     if name is not None:
         branches = [scoped(b, name) for b in branches]
-    return lax.switch(gear.astype(jnp.int32), tuple(branches), *operands)
+    return lax.switch(gear, tuple(branches), *operands)
 
 
 class _FastVJP(NamedTuple):
@@ -90,10 +114,19 @@ def _switch_fast_vjp(gear, branches, fast: _FastVJP, *args):
     gear = jnp.asarray(gear)
     if gear.ndim != 0:
         return switch(gear, branches, *args)  # raises the scalar error
-    gear = gear.astype(jnp.int32)
+    gear, branches = _distinct(gear.astype(jnp.int32), branches)
+    if len(branches) == 1:  # every gear runs FAST's path: plain autodiff, no switch
+        return branches[0](*args)
+    return _fast_vjp_switch(gear, branches, fast, args)
+
+
+def _fast_vjp_switch(gear, branches, fast: _FastVJP, args):
+    """The ``custom_vjp`` of ``_switch_fast_vjp``: ``gear`` (traced int32) indexes the distinct
+    ``branches``, FAST's first (``_distinct`` keeps the first occurrence first)."""
     name = current_branch_site()
     wrap = (lambda f: scoped(f, name)) if name is not None else (lambda f: f)
     branches = [wrap(b) for b in branches]
+    n = len(branches)
 
     @jax.custom_vjp
     def run(gear, args):
@@ -103,7 +136,8 @@ def _switch_fast_vjp(gear, branches, fast: _FastVJP, *args):
         def others(i):
             return lambda *a: (branches[i](*a), fast.zeros(*a))
 
-        out, res = lax.switch(gear, [wrap(fast.fwd), others(1), others(2)], *args)
+        fwds = [wrap(fast.fwd)] + [others(i) for i in range(1, n)]
+        out, res = lax.switch(gear, fwds, *args)
         return out, (gear, args, res)
 
     def run_bwd(saved, ct):
@@ -117,7 +151,8 @@ def _switch_fast_vjp(gear, branches, fast: _FastVJP, *args):
             return bwd
 
         fast_bwd = wrap(lambda args, res, ct: fast.bwd(args, res, ct))
-        dargs = lax.switch(gear, [fast_bwd, recompute(1), recompute(2)], args, res, ct)
+        bwds = [fast_bwd] + [recompute(i) for i in range(1, n)]
+        dargs = lax.switch(gear, bwds, args, res, ct)
         return None, tuple(dargs)
 
     run.defvjp(run_fwd, run_bwd)

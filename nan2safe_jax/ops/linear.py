@@ -6,7 +6,8 @@ output dtype (``preferred_element_type`` or the operands' dtype): ``lax.switch``
 output type, and a site must not change the dtype its caller sees when the gear changes.
 STABLE therefore gets its range from f32 accumulation and a *saturating* cast back (an fp16
 output past 65504 becomes ±65504, not inf); SAFE adds power-of-two range compression and
-``Precision.HIGHEST``.
+``Precision.HIGHEST``. For f32 operands and output STABLE is FAST (decided at trace time):
+the gears share one compiled path.
 """
 
 from __future__ import annotations
@@ -104,7 +105,15 @@ def linear(
     pet = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
     kw = dict(n=n, precision=precision, pet=pet)
     branches = [functools.partial(f, **kw) for f in (_linear_fast, _linear_stable, _linear_safe)]
+    if _stable_is_fast(x.dtype, pet):
+        branches[1] = branches[0]  # one path for both gears: XLA compiles it once
     return switch(gear, branches, x, kernel, bias)
+
+
+def _stable_is_fast(dtype, pet) -> bool:
+    """STABLE (f32 accumulation, saturating cast back) is FAST itself for f32 operands with an
+    f32 (or default) output: the same ``dot_general``, the same bias add, a no-op cast."""
+    return jnp.dtype(dtype) == _F32 and (pet is None or jnp.dtype(pet) == _F32)
 
 
 def _dot_last(x, kernel, **kw):
