@@ -42,9 +42,20 @@ def test_bad_probe_set_raises(bad):
 @pytest.mark.parametrize(
     "kinds, present, absent",
     [
-        (probe.DEFAULT_PROBES, ["attn.probe_logits", "ln.probe_inv_std"], ["attn.probe_probs"]),
+        # each case compiles a train step: the widest and the empty set in make test
+        pytest.param(
+            probe.DEFAULT_PROBES,
+            ["attn.probe_logits", "ln.probe_inv_std"],
+            ["attn.probe_probs"],
+            marks=pytest.mark.slow,
+        ),
         (probe.PROBE_KINDS, ["attn.probe_probs", "head.probe_output"], []),
-        (("attn_probs",), ["attn.probe_probs"], ["attn.probe_logits", "ln.probe_output"]),
+        pytest.param(
+            ("attn_probs",),
+            ["attn.probe_probs"],
+            ["attn.probe_logits", "ln.probe_output"],
+            marks=pytest.mark.slow,
+        ),
         ((), [], ["attn.probe_logits", "loss.probe_logits", "head.probe_output"]),
     ],
 )

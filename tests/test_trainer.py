@@ -239,6 +239,7 @@ def test_sigkill_mid_run_resumes_from_the_last_complete_checkpoint(tmp_path):
     json.dumps(resume)
 
 
+@pytest.mark.slow  # ~2 min on 2 cores; fast: test_fault_is_located_put_in_safe_and_recovers
 def test_end_to_end_fp16_transformer_attention_overflow(tmp_path):
     """End to end on a nan2safe.nn model in fp16 whose attention has dropout configured, so FAST
     takes flax.nnx's explicit-weights path (logits kept in fp16), as a stock flax.nnx model
