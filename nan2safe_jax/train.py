@@ -216,26 +216,6 @@ def lr_factors(params, gs: GearState, factor: float):
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def _finite_at_min_scale(check: jax.Array, pullback: Callable, cfg: Config) -> jax.Array:
-    """bool[]: the gradients pulled back at ``cfg.loss_scale_min`` are finite (True unless
-    ``check``).
-
-    Only an overflow *of the loss scale* is the dynamic loss scale's business. A non-finite
-    gradient that a smaller scale cannot avoid (a 0/0 or ``0 * inf`` in the backward, e.g.
-    ``where(mask, -log(p), 0)`` with ``p == 0`` on a masked position) is a fault of the model:
-    halving the scale for it only walks the scale down to its floor one skipped step at a time
-    (fp16 gradients then underflow) before the fault is seen at all. So a suspected overflow is
-    tried once more at the floor, from the same forward (``pullback``); the backward runs again
-    only on such steps (``lax.cond``).
-    """
-
-    def at_min():
-        g = pullback(jnp.asarray(cfg.loss_scale_min, jnp.float32))[0]
-        return jnp.isfinite(numerics.sum_of_squares(g))
-
-    return jax.lax.cond(check, at_min, lambda: jnp.asarray(True))
-
-
 def train_step(
     state: TrainState,
     batch,
@@ -259,15 +239,13 @@ def train_step(
     # the one SPMD program, so every process reads the same verdict.
     polluted = ~numerics.all_finite(batch)
 
-    def unscaled_loss(params):
+    def scaled_loss(params):
         loss, probes, new_rest, aux = _forward(state, rest, params, batch, loss_fn, has_aux)
-        return loss.astype(jnp.float32), (loss, probes, new_rest, aux)
+        return loss.astype(jnp.float32) * scale, (loss, probes, new_rest, aux)
 
-    # The backward is linear in the loss's cotangent: pulling back ``scale`` is loss scaling
-    # (bit for bit what the gradient of ``loss * scale`` is), and the same pullback can be run
-    # again at another scale without a second forward (see ``overflow`` below).
-    _, pullback, (loss, probes, new_rest, aux) = jax.vjp(unscaled_loss, state.params, has_aux=True)
-    sgrads = pullback(scale)[0]
+    (_, (loss, probes, new_rest, aux)), sgrads = jax.value_and_grad(scaled_loss, has_aux=True)(
+        state.params
+    )
     inv_scale = 1.0 / scale
     grads = jax.tree_util.tree_map(
         lambda g: (g.astype(jnp.float32) * inv_scale).astype(g.dtype), sgrads
@@ -280,18 +258,16 @@ def train_step(
     grads_finite = jnp.isfinite(sgrad_sq)
     finite = jnp.isfinite(loss32) & grads_finite
     # A finite loss whose scaled gradients overflow is the dynamic loss scale's business: skip
-    # and back off; but only if the gradients are finite at the smallest scale (else no scale
-    # helps: it is an incident now). Only when that repeats (or the loss itself is bad) is it
-    # an incident.
+    # and back off. Only when that repeats (or the loss itself is bad) is it an incident.
     # After OVERFLOW_GRACE overflows in a row the first downshift also cuts the scale by
     # 1/256 (a loss scale far too large, e.g. 2**24 in fp16); only past twice that is it an
     # incident for tier 2.
     streak = guard_lib.skip_streak(state.opt_state)
-    maybe_overflow = ~polluted & jnp.isfinite(loss32) & ~grads_finite
-    maybe_overflow = maybe_overflow & (scale > cfg.loss_scale_min)
     overflow = (
-        maybe_overflow
-        & _finite_at_min_scale(maybe_overflow, pullback, cfg)
+        ~polluted
+        & jnp.isfinite(loss32)
+        & ~grads_finite
+        & (scale > cfg.loss_scale_min)
         & (streak < 2 * OVERFLOW_GRACE)
     )
     incident = ~finite & ~overflow & ~polluted
