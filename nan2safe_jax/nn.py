@@ -428,10 +428,15 @@ class LayerNorm(_Site):
                 use_fast_variance=self.use_fast_variance,
                 return_stats=True,
             )
-            if probe_enabled("norm_output"):
-                _write(self.probe_output, sampled_stats(y))
-            _write_if(self.probe_inv_std, st, "inv_std", "norm_inv_std")
+            _write_norm_probes(self, y, st)
         return y
+
+
+def _write_norm_probes(norm, y: jax.Array, st) -> None:
+    """A norm site's probes: its output and (from the op's own statistics) its inverse std."""
+    if probe_enabled("norm_output"):
+        _write(norm.probe_output, sampled_stats(y))
+    _write_if(norm.probe_inv_std, st, "inv_std", "norm_inv_std")
 
 
 class RMSNorm(_Site):
@@ -486,9 +491,7 @@ class RMSNorm(_Site):
                 use_fast_variance=self.use_fast_variance,
                 return_stats=True,
             )
-            if probe_enabled("norm_output"):
-                _write(self.probe_output, sampled_stats(y))
-            _write_if(self.probe_inv_std, st, "inv_std", "norm_inv_std")
+            _write_norm_probes(self, y, st)
         return y
 
 
