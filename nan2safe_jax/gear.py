@@ -1,8 +1,9 @@
 """Gears as data: the ``GearState`` pytree and its pure transition functions.
 
-A gear is an int32 that the step reads with ``lax.switch``; the state that holds the gears is a
-pytree carried through the jitted step. A downshift is therefore a change of *values*, never of
-code: it takes effect on the very next step and never recompiles (docs/design.md, "Gears").
+A gear is an int32 that the step reads with ``ops.dispatch.switch``; the state that holds the
+gears is a pytree carried through the jitted step. A downshift is therefore a change of
+*values*, never of code: it takes effect on the very next step and never recompiles
+(docs/design.md, "Gears").
 
 The global ``level`` applies to every site; ``sites`` holds each site's own gear, so the
 effective gear of a site is ``max(level, sites[name])``. Per-site gears have the shape of the

@@ -86,9 +86,22 @@ def test_probe_set_off_traces_no_statistic():
 
 
 def _branch_counts(f, *args):
-    """Branches of each top-level ``cond`` (``lax.switch``) in ``f``'s jaxpr."""
-    eqns = jax.make_jaxpr(f)(*args).jaxpr.eqns
-    return [len(e.params["branches"]) for e in eqns if e.primitive.name == "cond"]
+    """Branches of each gear ``cond`` in ``f``'s forward (inside the op's ``custom_vjp``; the
+    branches themselves are not searched)."""
+
+    def counts(jaxpr):
+        out = []
+        for e in jaxpr.eqns:
+            if e.primitive.name == "cond":
+                out.append(len(e.params["branches"]))
+                continue
+            for p in e.params.values():
+                inner = getattr(p, "jaxpr", p)
+                if hasattr(inner, "eqns"):
+                    out += counts(inner)
+        return out
+
+    return counts(jax.make_jaxpr(f)(*args).jaxpr)
 
 
 @pytest.mark.parametrize("dt, branches", [(jnp.float32, [2]), (jnp.float16, [3])])

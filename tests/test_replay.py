@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from nan2safe_jax import replay
+from nan2safe_jax import ops, replay
+from nan2safe_jax.gear import Gear
 from nan2safe_jax.replay import Report, locate, locate_step
 
 DTYPES = [jnp.float16, jnp.bfloat16, jnp.float32]
@@ -475,3 +476,61 @@ def test_wrong_number_of_args_raises():
     f = lambda x, y: x + y
     with pytest.raises(ValueError, match="leaves"):
         locate(jax.make_jaxpr(f)(1.0, 2.0), (1.0,))
+
+
+# ------------------------------------------------------------------ masked values are no root
+
+
+def test_a_value_where_drops_is_no_root():
+    """``jnp.where(x > 0, jnp.log(x), 0)`` makes -inf at 0 and drops it: the root is the sqrt
+    whose NaN reaches the result, not the log (what jax_debug_nans would name)."""
+
+    def f(x):
+        a = jnp.where(x > 0, jnp.log(x), 0.0)
+        b = jnp.sqrt(x - 2.0)  # FAULT:where-real-root
+        return (a + b).sum()
+
+    _check(f, [jnp.asarray([0.0, 1.0, 3.0])], "sqrt", "where-real-root", "nan")
+
+
+def _overflowing_site(x, w, gear):
+    """An fp16 ``ops.linear`` whose FAST path overflows (SAFE saturates), then a real NaN."""
+    y = ops.linear(x, w, None, gear=gear)
+    return jnp.log(1.0 - x[0, 0]) + y.astype(jnp.float32).sum()  # FAULT:after-site
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "grad"])
+def test_a_gear_switch_drops_fast_at_safe(grad):
+    """A site at SAFE still computes its FAST path (outside the ``cond``, as plain step code) and
+    drops it; FAST's overflow there is masked, so the replay names the later real root. At FAST
+    the same overflow reaches the result and is the root."""
+    x = jnp.full((2, 4), 300.0, jnp.float16)
+    w = jnp.full((4, 3), 300.0, jnp.float16)
+    f = jax.grad(_overflowing_site, argnums=1) if grad else _overflowing_site
+    for gear, want in ((Gear.SAFE, "log"), (Gear.FAST, "dot_general")):
+        args = [x, w, jnp.int32(gear)]
+        r = locate(jax.make_jaxpr(f)(*args), args)
+        assert r is not None and r.primitive == want, (gear, str(r))
+    r = locate(jax.make_jaxpr(f)(x, w, jnp.int32(Gear.SAFE)), [x, w, jnp.int32(Gear.SAFE)])
+    _assert_source(r, "after-site")
+
+
+def test_a_gear_switch_inside_scan_drops_fast_at_safe():
+    """The same inside a ``scan`` body: iteration 0's SAFE site masks its FAST overflow, so the
+    first flagged iteration is 1, where ``log(c - 0.3)`` makes the real NaN (c = 0.25)."""
+
+    def f(x, w, gears):
+        def body(c, g):
+            y = ops.linear(x * c, w, None, gear=g)
+            c = c * jnp.float16(0.5)
+            return c, jnp.log(y.astype(jnp.float32).sum() - 100.0) + jnp.log(c - 0.3)
+
+        return lax.scan(body, jnp.float16(1.0), gears)[1].sum()
+
+    x = jnp.full((2, 4), 200.0, jnp.float16)  # 80000 at c = 1 (overflow), 40000 at c = 0.5
+    w = jnp.full((4, 3), 100.0, jnp.float16)
+    gears = jnp.asarray([Gear.SAFE, Gear.FAST, Gear.FAST], jnp.int32)
+    args = [x, w, gears]
+    r = locate(jax.make_jaxpr(f)(*args), args)
+    assert r is not None and r.primitive == "log", str(r)
+    assert [p for p in r.eqn_path if isinstance(p, tuple)] == [("iter", 1)], r.eqn_path

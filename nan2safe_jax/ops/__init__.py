@@ -20,18 +20,20 @@ the cross-entropy. Each op here has three paths (docs/design.md, "Gears"):
   saturate at the dtype's largest finite value instead of overflowing to inf.
 
 The gear is data. A Python int dispatches directly (no ``cond`` in the program); anything
-else, notably a traced int32 scalar inside ``jit``, goes through ``lax.switch``: one compile
-serves all three gears, and switching the gear never retraces or recompiles. ``lax.switch`` on
+else, notably a traced int32 scalar inside ``jit``, goes through ``dispatch.switch``: FAST as
+plain step code (fused with its neighbours as the ``flax.nnx`` layer would be), then one
+``cond`` that passes FAST's value through at FAST or runs the STABLE / SAFE path. One compile
+serves all three gears, and switching the gear never retraces or recompiles. The ``cond`` on
 an unbatched scalar executes one branch only.
 
 vmap behaviour: under ``jax.vmap`` with an *unbatched* gear (``in_axes=None``, or a gear closed
 over), the switch stays a switch and still runs one branch. With a *batched* gear (one gear per
-vmapped element), JAX turns ``lax.switch`` into a ``select`` over the outputs of all three
+vmapped element), JAX turns the ``cond`` into a ``select`` over the outputs of all three
 branches: the result is still the per-element gear's result, but every branch is computed.
 ``nan2safe_jax.nn`` therefore never vmaps a gear: under ``nnx.scan`` over layers each layer's
 gear is sliced to a scalar before the op sees it.
 
-All branches return the input's float dtype (``cross_entropy`` returns f32): ``lax.switch``
+All branches return the input's float dtype (``cross_entropy`` returns f32): a ``cond``
 needs one output type, and the dtype a caller sees must not depend on the gear. So for an fp16
 site STABLE does not return bf16; its range comes from f32 computation and a *saturating*
 cast back (an fp16 output past 65504 becomes ±65504, not inf), and bf16 sites accumulate in

@@ -46,7 +46,7 @@ from nan2safe_jax.ops._numerics import (
     _range_exponent,
     _saturate,
 )
-from nan2safe_jax.ops.dispatch import _switch_fast_vjp, autodiff_fast
+from nan2safe_jax.ops.dispatch import switch
 
 
 def _causal_mask(q_len: int, k_len: int) -> jax.Array:
@@ -366,8 +366,6 @@ def attention(
         # STABLE's math, so the two gears share one compiled path
         stable = fast_args
     branches = [fast_args, stable, functools.partial(_attn_safe, **kw)]
-    out, st, w = _switch_fast_vjp(
-        gear, branches, autodiff_fast(fast_args), q, k, v, mask, mult, knob
-    )
+    out, st, w = switch(gear, branches, q, k, v, mask, mult, knob)
     res = (out,) + ((st,) if return_stats else ()) + ((w,) if return_weights else ())
     return res[0] if len(res) == 1 else res

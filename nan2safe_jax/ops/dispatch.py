@@ -1,13 +1,16 @@
 """Gear dispatch: one op, three paths, the gear as data.
 
 A Python int dispatches directly (no ``cond`` in the program); anything else, notably a traced
-int32 scalar inside ``jit``, goes through ``lax.switch``: one compile serves all three gears.
-``branch_site`` re-enters a site's name scope inside every branch so the localizer can name it,
-and ``_switch_fast_vjp`` keeps the FAST backward from paying for the untaken paths.
+int32 scalar inside ``jit``, goes through ``_geared``: one compile serves all three gears.
+FAST runs as plain step code, outside any ``cond``, so XLA fuses it with its neighbours as it
+would fuse the ``flax.nnx`` layer it mirrors (a ``cond`` branch is a fusion island: that cost a
+train step 15-20% on the CPU, and moved FAST's results by an ulp); one ``cond`` per op then
+passes FAST's value through at FAST or runs the STABLE / SAFE path instead. ``branch_site``
+re-enters a site's name scope inside every branch so the localizer can name it.
 
 Gears whose paths are the same function (an op passes the same callable, decided at trace time
 from the dtype: an f32 ``Linear``'s STABLE *is* its FAST) share one branch: XLA compiles each
-distinct path once, and a gear that maps to a single path needs no ``switch`` at all.
+distinct path once, and a gear that maps to a single path needs no ``cond`` at all.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ def switch(gear: Any, branches: Sequence[Callable[..., Any]], *operands: Any) ->
     """Runs ``branches[gear](*operands)``.
 
     A Python int (or any concrete integer scalar) calls the branch directly; a traced gear goes
-    through ``lax.switch`` (index clamped to ``[0, len(branches) - 1]``, as ``lax.switch`` does).
+    through ``_geared`` (FAST as plain code, one pass-through ``cond`` for the other gears; the
+    index clamped to ``[0, len(branches) - 1]``, as ``lax.switch`` does).
 
     Args:
       gear: ``Gear`` / int, or an int32 scalar array (may be traced).
@@ -84,106 +88,70 @@ def switch(gear: Any, branches: Sequence[Callable[..., Any]], *operands: Any) ->
     gear, branches = _distinct(gear.astype(jnp.int32), branches)
     if len(branches) == 1:
         return branches[0](*operands)
-    name = current_branch_site()
-    if name is not None:
-        branches = [scoped(b, name) for b in branches]
-    return lax.switch(gear, tuple(branches), *operands)
+    return _geared(gear, branches, operands)
 
 
 class _FastVJP(NamedTuple):
-    """The FAST path with a hand-written backward (see ``_switch_fast_vjp``)."""
+    """Kept for old imports (``nan2safe_jax.ops._FastVJP``): FAST's backward is now always
+    JAX's own autodiff of FAST (``_geared``), so nothing reads these fields."""
 
-    fwd: Callable[..., Any]  # (*args) -> (out, residuals)
-    bwd: Callable[..., Any]  # (args, residuals, out_cotangent) -> arg cotangents
-    zeros: Callable[..., Any]  # (*args) -> residuals-shaped zeros
+    fwd: Callable[..., Any]
+    bwd: Callable[..., Any]
+    zeros: Callable[..., Any]
 
 
-def _switch_fast_vjp(gear, branches, fast: _FastVJP, *args):
-    """``switch`` whose backward does not pay for the paths it did not take.
+def _switch_fast_vjp(gear, branches, fast, *args):
+    """``switch(gear, branches, *args)``; ``fast`` is ignored (kept for old imports: every traced
+    switch now saves only FAST's own residuals, see ``_geared``)."""
+    del fast
+    return switch(gear, branches, *args)
 
-    Under ``jax.grad`` a plain ``lax.switch`` saves the union of every branch's residuals, the
-    untaken ones zero-filled: for a memory-bound op (a norm) that doubles the FAST step. Here
-    the forward saves the inputs plus FAST's own (small) residuals; the backward runs FAST's
-    hand-written VJP, or recomputes the STABLE / SAFE branch under ``jax.vjp`` (those gears can
-    afford a second forward). A Python-int gear dispatches directly with ordinary autodiff.
-    Not forward-mode differentiable (``custom_vjp``) with a traced gear.
+
+def _geared(gear, branches, args):
+    """``branches[gear](*args)`` for a traced ``gear`` indexing distinct ``branches``, FAST first.
+
+    Forward: FAST runs unconditionally, as plain code; a ``cond`` returns its value at FAST and
+    runs the taken STABLE / SAFE branch otherwise. Backward (``custom_vjp``): FAST's pullback
+    (``jax.vjp`` of FAST: the residuals, and so the gradient, are autodiff's of the plain
+    formula) runs unconditionally too, and a ``cond`` passes its result through at FAST or
+    recomputes the taken branch under ``jax.vjp`` (STABLE and SAFE can afford a second forward).
+    So FAST pays one pass-through ``cond`` per op and nothing for the untaken paths.
+
+    At STABLE / SAFE, FAST's values are computed and dropped; where FAST overflows (the reason
+    a site is in SAFE) they are non-finite, and the replay knows a value that only a ``cond``
+    drops is no root (``replay.interpret``). Not forward-mode differentiable (``custom_vjp``).
     """
-    g = _static_gear(gear)
-    if g is not None:
-        return switch(g, branches, *args)
-    gear = jnp.asarray(gear)
-    if gear.ndim != 0:
-        return switch(gear, branches, *args)  # raises the scalar error
-    gear, branches = _distinct(gear.astype(jnp.int32), branches)
-    if len(branches) == 1:  # every gear runs FAST's path: plain autodiff, no switch
-        return branches[0](*args)
-    return _fast_vjp_switch(gear, branches, fast, args)
-
-
-def _fast_vjp_switch(gear, branches, fast: _FastVJP, args):
-    """The ``custom_vjp`` of ``_switch_fast_vjp``: ``gear`` (traced int32) indexes the distinct
-    ``branches``, FAST's first (``_distinct`` keeps the first occurrence first)."""
     name = current_branch_site()
     wrap = (lambda f: scoped(f, name)) if name is not None else (lambda f: f)
-    branches = [wrap(b) for b in branches]
-    n = len(branches)
+    fast, others = branches[0], [wrap(b) for b in branches[1:]]
+
+    def through(y, *_):
+        return y
+
+    def taken(b):
+        return lambda _, *a: b(*a)
+
+    def pick(gear, y_fast, args):
+        return lax.switch(gear, [through] + [taken(b) for b in others], y_fast, *args)
 
     @jax.custom_vjp
     def run(gear, args):
-        return lax.switch(gear, branches, *args)
+        return pick(gear, fast(*args), args)
 
     def run_fwd(gear, args):
-        def others(i):
-            return lambda *a: (branches[i](*a), fast.zeros(*a))
+        y_fast, pullback = jax.vjp(fast, *args)
+        return pick(gear, y_fast, args), (gear, args, pullback)
 
-        fwds = [wrap(fast.fwd)] + [others(i) for i in range(1, n)]
-        out, res = lax.switch(gear, fwds, *args)
-        return out, (gear, args, res)
+    def recompute(b):
+        def bwd(_, args, ct):
+            return jax.vjp(b, *args)[1](ct)
+
+        return bwd
 
     def run_bwd(saved, ct):
-        gear, args, res = saved
-
-        def recompute(i):
-            def bwd(args, res, ct):
-                _, vjp = jax.vjp(branches[i], *args)
-                return vjp(ct)
-
-            return bwd
-
-        fast_bwd = wrap(lambda args, res, ct: fast.bwd(args, res, ct))
-        bwds = [fast_bwd] + [recompute(i) for i in range(1, n)]
-        dargs = lax.switch(gear, bwds, args, res, ct)
+        gear, args, pullback = saved
+        dargs = lax.switch(gear, [through] + [recompute(b) for b in others], pullback(ct), args, ct)
         return None, tuple(dargs)
 
     run.defvjp(run_fwd, run_bwd)
     return run(gear, tuple(args))
-
-
-def autodiff_fast(fast: Callable[..., Any]) -> _FastVJP:
-    """A ``_FastVJP`` whose backward is JAX's own autodiff of ``fast``.
-
-    FAST must be exactly what ``flax.nnx`` computes, gradients included, so its backward is
-    not hand-written: the forward runs ``jax.vjp(fast, *args)`` and saves that pullback's
-    residuals (FAST's own, nothing from the untaken paths); the backward rebuilds the pullback
-    from them. The gradient is therefore the one ``jax.grad`` gives for the plain formula.
-    """
-    box: dict[str, Any] = {}
-
-    def leaves_of(*args):
-        out, pullback = jax.vjp(fast, *args)
-        leaves, treedef = jax.tree_util.tree_flatten(pullback)
-        return out, tuple(leaves), treedef
-
-    def fwd(*args):
-        out, leaves, box["treedef"] = leaves_of(*args)
-        return out, leaves
-
-    def bwd(args, res, ct):
-        del args
-        return jax.tree_util.tree_unflatten(box["treedef"], list(res))(ct)
-
-    def zeros(*args):
-        shapes = jax.eval_shape(lambda *a: leaves_of(*a)[1], *args)
-        return tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
-
-    return _FastVJP(fwd, bwd, zeros)

@@ -35,7 +35,7 @@ from nan2safe_jax.ops._numerics import (
     _range_exponent,
     _saturate,
 )
-from nan2safe_jax.ops.dispatch import _switch_fast_vjp, autodiff_fast
+from nan2safe_jax.ops.dispatch import switch
 
 
 def _affine(y, scale, bias):
@@ -151,7 +151,7 @@ def _norm(x, scale, bias, eps, gear, mask, use_fast_variance, center):
     mask = None if mask is None else jnp.broadcast_to(jnp.asarray(mask, bool), x.shape)
     kw = dict(eps=float(eps), center=center, fast_var=bool(use_fast_variance))
     branches = [functools.partial(f, **kw) for f in (_norm_fast, _norm_stable, _norm_safe)]
-    return _switch_fast_vjp(gear, branches, autodiff_fast(branches[0]), x, scale, bias, mask)
+    return switch(gear, branches, x, scale, bias, mask)
 
 
 def layer_norm(

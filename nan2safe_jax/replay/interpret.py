@@ -83,9 +83,9 @@ class Ctx:
 
     In ``"flags"`` mode each traced float value is registered once in ``vals`` (codes computed by
     ``codes()``); outputs of value-preserving equations reuse their inputs' references instead.
-    ``recs`` holds per flat equation ``("eqn", in_ref, out_ref)``, or ``("given", bool[3])`` for a
-    loop instrumented in place (its rule computed its flags; its first flagged steps are in
-    ``steps``).
+    ``recs`` holds per flat equation ``("eqn", in_ref, out_ref)`` (``"mask"`` for an equation that
+    can drop an operand: ``select_n``, ``cond``), or ``("given", bool[3])`` for a loop instrumented
+    in place (its rule computed its flags; its first flagged steps are in ``steps``).
     """
 
     def __init__(self, mode: str, targets: dict[int, Any] | None = None):
@@ -99,6 +99,7 @@ class Ctx:
         self._memo: dict[int, tuple[Any, Ref]] = {}
         self._codes: Any = None
         self._flags: tuple[Any, Any] | None = None
+        self.outputs: frozenset | None = None  # value indices the walk returned
 
     # -- codes ------------------------------------------------------------------------------
     def ref(self, x: Any) -> Ref:
@@ -145,8 +146,8 @@ class Ctx:
         return jnp.maximum(c, jnp.int8(code))
 
     # -- per-equation records ---------------------------------------------------------------
-    def record(self, in_ref: Ref | None, out_ref: Ref | None) -> None:
-        self.recs.append(("eqn", in_ref, out_ref))
+    def record(self, in_ref: Ref | None, out_ref: Ref | None, kind: str = "eqn") -> None:
+        self.recs.append((kind, in_ref, out_ref))
 
     def finalize(self) -> tuple[Any, Any, Any]:
         """``(root, nan, literal)``: bool[count] flags of every flat equation of this walk.
@@ -168,7 +169,7 @@ class Ctx:
         live = np.zeros(m, bool)
         gi, si, go, so = [], [], [], []
         for k, rec in enumerate(self.recs):
-            if rec[0] != "eqn" or rec[2] is None:
+            if rec[0] == "given" or rec[2] is None:
                 continue
             live[k] = True
             (ci, ii), (co, oi) = rec[1], rec[2]
@@ -187,9 +188,10 @@ class Ctx:
         traced_in = gather_max(gi, si, np.zeros(m, np.int8))
         cin = jnp.maximum(traced_in, jnp.asarray(in_static))
         cout = gather_max(go, so, out_static)
-        root = (cout > 0) & (cin == 0) & live
-        nan = (cout == 2) & (cin < 2) & live
-        literal = (cout > 0) & (traced_in == 0) & jnp.asarray((in_static > 0) & live)
+        reaches = self._reaches(codes)
+        root = (cout > 0) & (cin == 0) & live & reaches
+        nan = (cout == 2) & (cin < 2) & live & reaches
+        literal = (cout > 0) & (traced_in == 0) & jnp.asarray((in_static > 0) & live) & reaches
         given = [(k, rec[1]) for k, rec in enumerate(self.recs) if rec[0] == "given"]
         if given:
             ks = np.asarray([k for k, _ in given])
@@ -199,6 +201,76 @@ class Ctx:
             literal = literal.at[ks].set(hit[:, 2])
         self._flags = (root, nan, literal)
         return self._flags
+
+    def _reaches(self, codes: Any) -> Any:
+        """bool[#equations]: the equation's non-finite output is not *masked* (see below).
+
+        A non-finite value is masked when it is read, and every equation that reads it is a
+        ``select_n`` or ``cond`` whose results are finite, or whose non-finite results are
+        masked themselves: it reaches none of the walk's results (``jnp.where(x > 0, jnp.log(x),
+        0)``; a gear switch that passes FAST's value through only at FAST). A value that is
+        returned, that nothing reads (a primal ``jax.grad`` drops), or that any other equation
+        turns into a finite value (a comparison, ``isfinite``: it was *observed*) is live; an
+        equation whose non-finite outputs are all masked is no root.
+
+        A least fixed point over the walk's static value graph, on the device: each round moves
+        liveness one equation back along chains of non-finite values, so the rounds follow the
+        longest masked chain, each O(#edges). Without a ``select_n`` / ``cond`` nothing can be
+        masked and nothing is computed.
+        """
+        m = len(self.recs)
+        if self.outputs is None or not any(r[0] == "mask" for r in self.recs):
+            return jnp.ones((m,), bool)
+        nv = len(self.vals)
+        ins_v, ins_k, outs_k, outs_v = [], [], [], []
+        given = np.zeros(m, bool)
+        mask = np.zeros(m, bool)
+        has_out = np.zeros(m, bool)
+        for k, rec in enumerate(self.recs):
+            if rec[0] == "given":
+                given[k] = True
+                ins = rec[2][1]
+                outs: frozenset = frozenset()
+            elif rec[2] is None:
+                continue
+            else:
+                mask[k] = rec[0] == "mask"
+                ins, outs = rec[1][1], rec[2][1]
+                has_out[k] = True
+            ins_v += sorted(ins)
+            ins_k += [k] * len(ins)
+            outs_k += [k] * len(outs)
+            outs_v += sorted(outs)
+        read = np.zeros(nv, bool)
+        read[np.asarray(ins_v, np.int64)] = True
+        returned = np.zeros(nv, bool)
+        returned[np.asarray(sorted(self.outputs), np.int64)] = True
+        ins_v, ins_k = np.asarray(ins_v, np.int32), np.asarray(ins_k, np.int32)
+        outs_k, outs_v = np.asarray(outs_k, np.int32), np.asarray(outs_v, np.int32)
+        nonfin = codes > 0
+
+        def eqn_any(per_value):  # per equation: any of its outputs
+            if not len(outs_v):
+                return jnp.zeros((m,), bool)
+            return jax.ops.segment_max(per_value[outs_v], outs_k, m) > 0
+
+        def value_any(per_eqn):  # per value: any equation reading it
+            if not len(ins_v):
+                return jnp.zeros((nv,), bool)
+            return jax.ops.segment_max(per_eqn[ins_k].astype(jnp.int8), ins_v, nv) > 0
+
+        bad_out = eqn_any(nonfin.astype(jnp.int8))
+        observes = jnp.asarray(given) | (jnp.asarray(has_out & ~mask) & ~bad_out)
+        base = nonfin & (jnp.asarray(returned | ~read) | value_any(observes))
+
+        def grow(state):
+            live, _ = state
+            via = eqn_any((nonfin & live).astype(jnp.int8))
+            new = base | (nonfin & value_any(via))
+            return new, jnp.any(new != live)
+
+        live, _ = jax.lax.while_loop(lambda s: s[1], grow, (base, jnp.asarray(True)))
+        return eqn_any((nonfin & live).astype(jnp.int8)) | jnp.asarray(given | ~has_out)
 
     def any_flags(self) -> Any:
         """bool[3]: whether any equation of this walk is flagged root / nan / literal."""
@@ -243,6 +315,13 @@ def walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: Ctx, ns: A
       ctx: the walk's state; flat equations are numbered from ``ctx.count``.
       ns: the name stack the jaxpr is called under.
     """
+    outs = _walk(jaxpr, consts, args, ctx, ns)
+    if ctx.mode == "flags":  # what the walk returns is live (``Ctx._reaches``)
+        ctx.outputs = frozenset().union(*(ctx.ref(o)[1] for o in outs))
+    return outs
+
+
+def _walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: Ctx, ns: Any) -> list:
     env: dict[Any, Any] = {}
 
     def read(a: Any) -> Any:
@@ -258,14 +337,14 @@ def walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: Ctx, ns: A
         rule = rules.rule_for(eqn)
         if rule is not None and rule.kind == "call":
             body, body_consts = rule.body(eqn)
-            outs = walk(body, body_consts, invals, ctx, ens)
+            outs = _walk(body, body_consts, invals, ctx, ens)
         else:
             k = ctx.count
             ctx.count += 1
             if ctx.mode == "flags" and rule is not None and rule.eager:
                 outs, steps = rule.flags(eqn, invals, ens)
                 ctx.steps[k] = steps
-                ctx.recs.append(("given", steps >= 0))
+                ctx.recs.append(("given", steps >= 0, ctx.union(invals)))
             elif ctx.mode == "flags":
                 outs = _flags_eqn(eqn, invals, ens, ctx)
             else:
@@ -294,8 +373,15 @@ def _flags_eqn(eqn: Any, invals: list, ns: Any, ctx: Ctx) -> list:
             ctx.derive(o, in_ref)
         ctx.record(None, None)
     else:
-        ctx.record(in_ref, ctx.union(outs))
+        kind = "mask" if eqn.primitive.name in _MASKING else "eqn"
+        ctx.record(in_ref, ctx.union(outs), kind)
     return outs
+
+
+# Equations that can drop an operand: a non-finite value that only reaches such equations, and
+# is dropped by them, never reaches a result (``jnp.where(x > 0, jnp.log(x), 0)``; a gear switch
+# that passes FAST's value through only at FAST).
+_MASKING = frozenset({"select_n", "cond"})
 
 
 MODES = ("root", "nan", "literal")  # the three flags, in the order of ``Ctx.finalize``
