@@ -12,7 +12,10 @@ Variants are interleaved over rounds so machine drift hits both alike; each roun
              machinery alone (loss scale, geared clip, skip, detector, polluted-input check,
              per-site learning-rate factors; the plain model has no sites and no probes);
   noprobe  — the nan2safe model with ``Config(probes=())``: the sites and their gear dispatch
-             without any probe statistic.
+             without any probe statistic;
+  safe_attn — the nan2safe model with one attention site (``blocks.0.attn``) held in SAFE for
+             the whole run (``safe_max_steps`` past the run's length): what a located fault
+             costs every step until the site recovers (the write-up's figure: <= 1.08x).
 Each round is timed on the wall clock and on the process's CPU clock (``time.process_time``:
 the work done, less sensitive to other jobs on a shared machine); both ratios are reported.
 
@@ -151,6 +154,12 @@ def make_n2s(cfg, tx, rules=None, n2s_cfg=None, model=None, loss_fn=lm_loss):
         return m["loss"]
 
     run.lower = lambda batch: step.jitted.lower(carry[0], batch)
+
+    def set_site(name, gear, cfg):
+        st = carry[0]
+        carry[0] = st.replace(gear=nan2safe.gear.set_site(st.gear, name, gear, cfg=cfg))
+
+    run.set_site = set_site
     return run
 
 
@@ -162,6 +171,11 @@ def make_arm(name, cfg, tx, rules=None):
         return make_n2s(cfg, tx, rules)
     if name == "noprobe":
         return make_n2s(cfg, tx, rules, n2s_cfg=nan2safe.Config(probes=()))
+    if name == "safe_attn":
+        n2s_cfg = nan2safe.Config(safe_max_steps=10**6)
+        run = make_n2s(cfg, tx, rules, n2s_cfg=n2s_cfg)
+        run.set_site("blocks.0.attn", nan2safe.Gear.SAFE, n2s_cfg)
+        return run
     if name == "guard":
         model = PlainTransformer(cfg, rngs=nnx.Rngs(0))
         return make_n2s(cfg, tx, rules, model=model, loss_fn=plain_loss)
@@ -350,7 +364,7 @@ def main(argv=None):
     ap.add_argument("--sharding", default="dp", choices=["dp", "fsdp"])
     ap.add_argument("--batch", type=int, default=8, help="global batch size")
     ap.add_argument("--processes", type=int, default=1, help="N processes vs one")
-    ap.add_argument("--ablation", action="store_true", help="add the guard and noprobe arms")
+    ap.add_argument("--ablation", action="store_true", help="add the guard, noprobe, safe_attn arms")
     ap.add_argument("--compile", action="store_true", help="time lower + compile per arm")
     ap.add_argument("--rss-cap-gb", type=float, default=5.0)
     ap.add_argument("--child-timeout", type=float, default=600.0)
@@ -371,7 +385,7 @@ def main(argv=None):
     batches = [make_batch(jax.random.key(i), cfg, args.batch) for i in range(4)]
     if rules is not None:
         batches = [nan2safe.sharding.shard_batch(b, rules) for b in batches]
-    names = ["plain", "nan2safe"] + (["guard", "noprobe"] if args.ablation else [])
+    names = ["plain", "nan2safe"] + (["guard", "noprobe", "safe_attn"] if args.ablation else [])
     arms = {k: make_arm(k, cfg, tx, rules) for k in names}
     for run in arms.values():  # compile and warm up
         time_steps(run, batches, 3)
