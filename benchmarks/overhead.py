@@ -364,7 +364,7 @@ def main(argv=None):
     ap.add_argument("--sharding", default="dp", choices=["dp", "fsdp"])
     ap.add_argument("--batch", type=int, default=8, help="global batch size")
     ap.add_argument("--processes", type=int, default=1, help="N processes vs one")
-    ap.add_argument("--ablation", action="store_true", help="add the guard, noprobe, safe_attn arms")
+    ap.add_argument("--ablation", action="store_true", help="add guard, noprobe, safe_attn")
     ap.add_argument("--compile", action="store_true", help="time lower + compile per arm")
     ap.add_argument("--rss-cap-gb", type=float, default=5.0)
     ap.add_argument("--child-timeout", type=float, default=600.0)
