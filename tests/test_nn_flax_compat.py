@@ -22,8 +22,9 @@ from nan2safe_jax import nn
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 DTYPES = [F32, F16, BF16]
-# gradient tolerance through a traced gear, relative to the gradient's max (a few ulps)
-GRAD_TOL = {F32: 1e-6, F16: 2e-3, BF16: 2e-2}
+# gradient tolerance through a traced gear, relative to the gradient's max (a few ulps: fp16
+# normalize_qk reduces its q/k LayerNorm gradients in another order, ~3 fp16 ulps)
+GRAD_TOL = {F32: 1e-6, F16: 4e-3, BF16: 2e-2}
 
 
 def _x(shape, dt, seed=0, scale=1.0):
