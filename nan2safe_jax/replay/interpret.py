@@ -179,16 +179,19 @@ class Ctx:
             go += sorted(oi)
             so += [k] * len(oi)
 
-        def gather_max(idx, seg, static):
-            if not idx:
-                return jnp.asarray(static)
-            g = jax.ops.segment_max(codes[np.asarray(idx)], np.asarray(seg, np.int32), m)
-            return jnp.maximum(g, jnp.asarray(static))
+        ins_v, ins_k = np.asarray(gi, np.int32), np.asarray(si, np.int32)
+        outs_v, outs_k = np.asarray(go, np.int32), np.asarray(so, np.int32)
 
-        traced_in = gather_max(gi, si, np.zeros(m, np.int8))
+        def gather_max(idx, seg):
+            if not len(idx):
+                return jnp.zeros((m,), np.int8)
+            return jnp.maximum(jax.ops.segment_max(codes[idx], seg, m), jnp.int8(0))
+
+        traced_in = gather_max(ins_v, ins_k)
         cin = jnp.maximum(traced_in, jnp.asarray(in_static))
-        cout = gather_max(go, so, out_static)
-        reaches = self._reaches(codes)
+        traced_out = gather_max(outs_v, outs_k)
+        cout = jnp.maximum(traced_out, jnp.asarray(out_static))
+        reaches = self._reaches(codes, (ins_v, ins_k, outs_v, outs_k), traced_out > 0)
         root = (cout > 0) & (cin == 0) & live & reaches
         nan = (cout == 2) & (cin < 2) & live & reaches
         literal = (cout > 0) & (traced_in == 0) & jnp.asarray((in_static > 0) & live) & reaches
@@ -202,7 +205,7 @@ class Ctx:
         self._flags = (root, nan, literal)
         return self._flags
 
-    def _reaches(self, codes: Any) -> Any:
+    def _reaches(self, codes: Any, edges: tuple, bad_out: Any) -> Any:
         """bool[#equations]: the equation's non-finite output is not *masked* (see below).
 
         A non-finite value is masked when it is read, and every equation that reads it is a
@@ -222,31 +225,19 @@ class Ctx:
         if self.outputs is None or not any(r[0] == "mask" for r in self.recs):
             return jnp.ones((m,), bool)
         nv = len(self.vals)
-        ins_v, ins_k, outs_k, outs_v = [], [], [], []
-        given = np.zeros(m, bool)
-        mask = np.zeros(m, bool)
-        has_out = np.zeros(m, bool)
-        for k, rec in enumerate(self.recs):
-            if rec[0] == "given":
-                given[k] = True
-                ins = rec[2][1]
-                outs: frozenset = frozenset()
-            elif rec[2] is None:
-                continue
-            else:
-                mask[k] = rec[0] == "mask"
-                ins, outs = rec[1][1], rec[2][1]
-                has_out[k] = True
-            ins_v += sorted(ins)
-            ins_k += [k] * len(ins)
-            outs_k += [k] * len(outs)
-            outs_v += sorted(outs)
+        ins_v, ins_k, outs_v, outs_k = edges  # of the equations ``finalize`` flags
+        kinds = [r[0] for r in self.recs]
+        given = np.asarray([k == "given" for k in kinds])
+        mask = np.asarray([k == "mask" for k in kinds])
+        has_out = np.asarray([r[0] != "given" and r[2] is not None for r in self.recs])
+        extra = [(v, k) for k in np.nonzero(given)[0] for v in sorted(self.recs[k][2][1])]
+        if extra:  # a loop instrumented in place reads its operands too
+            ins_v = np.concatenate([ins_v, np.asarray([v for v, _ in extra], np.int32)])
+            ins_k = np.concatenate([ins_k, np.asarray([k for _, k in extra], np.int32)])
         read = np.zeros(nv, bool)
-        read[np.asarray(ins_v, np.int64)] = True
+        read[ins_v] = True
         returned = np.zeros(nv, bool)
         returned[np.asarray(sorted(self.outputs), np.int64)] = True
-        ins_v, ins_k = np.asarray(ins_v, np.int32), np.asarray(ins_k, np.int32)
-        outs_k, outs_v = np.asarray(outs_k, np.int32), np.asarray(outs_v, np.int32)
         nonfin = codes > 0
 
         def eqn_any(per_value):  # per equation: any of its outputs
@@ -259,7 +250,6 @@ class Ctx:
                 return jnp.zeros((nv,), bool)
             return jax.ops.segment_max(per_eqn[ins_k].astype(jnp.int8), ins_v, nv) > 0
 
-        bad_out = eqn_any(nonfin.astype(jnp.int8))
         observes = jnp.asarray(given) | (jnp.asarray(has_out & ~mask) & ~bad_out)
         base = nonfin & (jnp.asarray(returned | ~read) | value_any(observes))
 
