@@ -515,6 +515,40 @@ def test_a_gear_switch_drops_fast_at_safe(grad):
     _assert_source(r, "after-site")
 
 
+def _attend_first(q, k, v, mask):
+    logits = jnp.where(mask, q @ k.T, -jnp.inf)
+    return jax.nn.softmax(logits, axis=-1) @ v  # FAULT:first-site
+
+
+def _attend_second(q, k, v, mask):
+    logits = jnp.where(mask, q @ k.T, -jnp.inf)
+    return jax.nn.softmax(logits, axis=-1) @ v  # FAULT:second-site
+
+
+def _attend_safe(q, k, v, mask):
+    return ops.softmax(q @ k.T, where=mask, gear=Gear.SAFE) @ v
+
+
+def test_a_safe_site_drops_fast_even_when_its_own_output_is_not_finite():
+    """Two hand-written attention sites on a fully masked row, the first at SAFE, the second at
+    FAST (``-inf - -inf``: NaN). The first's FAST path makes the same NaN and its pullback reads
+    it; the second's NaN cotangent flows back through the first site's backward ``cond``, whose
+    output is then NaN too. FAST's NaN is still dropped there (the known branch does not read
+    it), so the culprit is the second site."""
+
+    def f(x, mask, gears):
+        h = ops.switch(gears[0], [_attend_first, _attend_safe, _attend_safe], x, x, x, mask)
+        h = ops.switch(gears[1], [_attend_second, _attend_safe, _attend_safe], h, h, h, mask)
+        return h.sum()
+
+    x = jnp.arange(8.0).reshape(4, 2) / 8
+    mask = jnp.tril(jnp.ones((4, 4), bool)).at[0, 0].set(False)
+    args = [x, mask, jnp.asarray([Gear.SAFE, Gear.FAST], jnp.int32)]
+    r = locate(jax.make_jaxpr(jax.grad(f))(*args), args)
+    assert r is not None and r.direction == "forward", str(r)
+    _assert_source(r, "second-site")
+
+
 def test_a_gear_switch_inside_scan_drops_fast_at_safe():
     """The same inside a ``scan`` body: iteration 0's SAFE site masks its FAST overflow, so the
     first flagged iteration is 1, where ``log(c - 0.3)`` makes the real NaN (c = 0.25)."""

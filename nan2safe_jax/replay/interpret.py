@@ -84,13 +84,17 @@ class Ctx:
     In ``"flags"`` mode each traced float value is registered once in ``vals`` (codes computed by
     ``codes()``); outputs of value-preserving equations reuse their inputs' references instead.
     ``recs`` holds per flat equation ``("eqn", in_ref, out_ref)`` (``"mask"`` for an equation that
-    can drop an operand: ``select_n``, ``cond``), or ``("given", bool[3])`` for a loop instrumented
-    in place (its rule computed its flags; its first flagged steps are in ``steps``).
+    can drop an operand: ``select_n``, ``cond``; a ``cond`` whose branch is known adds a fourth
+    item, the reference of the operands that branch drops), or ``("given", bool[3])`` for a loop
+    instrumented in place (its rule computed its flags; its first flagged steps are in ``steps``).
     """
 
-    def __init__(self, mode: str, targets: dict[int, Any] | None = None):
+    def __init__(
+        self, mode: str, targets: dict[int, Any] | None = None, known: dict[int, int] | None = None
+    ):
         self.mode = mode
         self.targets = targets or {}  # capture: flat index -> traced step (or None)
+        self.known = known or {}  # flat index of a cond -> its branch index (``branches.py``)
         self.payloads: dict[int, Any] = {}
         self.count = 0
         self.vals: list[Any] = []
@@ -236,6 +240,8 @@ class Ctx:
             ins_k = np.concatenate([ins_k, np.asarray([k for _, k in extra], np.int32)])
         read = np.zeros(nv, bool)
         read[ins_v] = True
+        dropped = sorted({v for r in self.recs if len(r) > 3 for v in r[3][1]})
+        read[np.asarray(dropped, np.int64)] = True  # read by a known branch that drops them
         returned = np.zeros(nv, bool)
         returned[np.asarray(sorted(self.outputs), np.int64)] = True
         nonfin = codes > 0
@@ -331,12 +337,14 @@ def _walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: Ctx, ns: 
         else:
             k = ctx.count
             ctx.count += 1
+            if k in ctx.known:  # a gear switch: XLA compiles only the taken branch
+                invals[0] = np.asarray(ctx.known[k], eqn.invars[0].aval.dtype)
             if ctx.mode == "flags" and rule is not None and rule.eager:
                 outs, steps = rule.flags(eqn, invals, ens)
                 ctx.steps[k] = steps
                 ctx.recs.append(("given", steps >= 0, ctx.union(invals)))
             elif ctx.mode == "flags":
-                outs = _flags_eqn(eqn, invals, ens, ctx)
+                outs = _flags_eqn(eqn, invals, ens, ctx, ctx.known.get(k))
             else:
                 outs = jc.bind_eqn(eqn, invals, ens)
             if ctx.mode == "capture" and k in ctx.targets:
@@ -348,24 +356,40 @@ def _walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: Ctx, ns: 
     return [read(a) for a in jaxpr.outvars]
 
 
-def _flags_eqn(eqn: Any, invals: list, ns: Any, ctx: Ctx) -> list:
+def _flags_eqn(eqn: Any, invals: list, ns: Any, ctx: Ctx, branch: int | None = None) -> list:
     """Binds ``eqn`` and records its flags from its inputs' and outputs' codes.
 
     A higher-order equation (loop, branch, map) is flagged like any other here, from its operands
     and results: a non-finite value made inside its body matters only if it reaches a result,
     and then the equation is flagged and the search instruments its body in a replay of its own
     (``Session.step_flags``). So the flags replay reduces only the level's own values.
+
+    ``branch``: the known branch index of a ``cond`` (``branches.py``). Its inputs are then the
+    operands that branch reads; the others are *dropped*: read, but by nothing that reaches a
+    result (a site at SAFE drops FAST's value even when SAFE's own output is non-finite).
     """
-    in_ref = ctx.union(invals)
     outs = jc.bind_eqn(eqn, invals, ns)
     if preserves(eqn):  # exact without a reduction: out finite <=> all inputs finite
         for o in outs:
-            ctx.derive(o, in_ref)
+            ctx.derive(o, ctx.union(invals))
         ctx.record(None, None)
+    elif branch is not None:
+        used = _reads(jc.cond_branches(eqn)[branch][0])
+        ops = invals[1:]
+        keep = [invals[0], *(x for x, u in zip(ops, used, strict=True) if u)]
+        drop = [x for x, u in zip(ops, used, strict=True) if not u]
+        ctx.recs.append(("mask", ctx.union(keep), ctx.union(outs), ctx.union(drop)))
     else:
         kind = "mask" if eqn.primitive.name in _MASKING else "eqn"
-        ctx.record(in_ref, ctx.union(outs), kind)
+        ctx.record(ctx.union(invals), ctx.union(outs), kind)
     return outs
+
+
+def _reads(jaxpr: Any) -> list[bool]:
+    """Per invar of ``jaxpr``: whether any equation or output reads it."""
+    read = {id(a) for e in jaxpr.eqns for a in e.invars if not jc.is_literal(a)}
+    read |= {id(a) for a in jaxpr.outvars if not jc.is_literal(a)}
+    return [id(v) in read for v in jaxpr.invars]
 
 
 # Equations that can drop an operand: a non-finite value that only reaches such equations, and

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nan2safe_jax.replay import _jax_compat as jc
-from nan2safe_jax.replay import cache, interpret, rules
+from nan2safe_jax.replay import branches, cache, interpret, rules
 
 __all__ = ["Flags", "Found", "Item", "Session", "flatten", "search"]
 
@@ -124,15 +124,40 @@ class Session:
         self._jits = cache.CACHE.table(top)
         self._flags: dict[Any, Flags] = {}
         self._captured: dict[Any, Any] = {}
+        self._known: dict[Any, dict[int, int]] = {}
 
-    def call(self, key: Any, fn: Any, *args: Any, shard: Any = None, stacked: tuple = ()) -> Any:
+    def known(
+        self, level: Any, jaxpr: Any, consts: list, args: list, ns: Any, shard: Any = None
+    ) -> dict[int, int]:
+        """The branch indices of a level's gear switches (``branches.py``; memoized; none
+        inside a ``shard_map`` body, whose values are per shard)."""
+        if shard is not None:
+            return {}
+        hit = self._known.get(level)
+        if hit is None:
+            key = ("branches", _structure(level))
+            call = lambda key, fn, *a: self.call(key, fn, *a, replay=False)  # noqa: E731
+            hit = branches.known_indices(call, key, jaxpr, consts, args, ns)
+            self._known[level] = hit
+        return hit
+
+    def call(
+        self,
+        key: Any,
+        fn: Any,
+        *args: Any,
+        shard: Any = None,
+        stacked: tuple = (),
+        replay: bool = True,
+    ) -> Any:
         """Runs the replay ``fn`` (compiled once per ``key`` and argument shapes); inside a
-        ``shard_map`` body (``shard``), on every shard, with results stacked."""
+        ``shard_map`` body (``shard``), on every shard, with results stacked. ``replay=False``:
+        a helper program over small values (``branches.py``), not counted as a replay."""
         jitted = self._jits.get(key)
         if jitted is None:
             jitted = self._jits[key] = cache.jit(shard.wrap(fn, stacked) if shard else fn)
             self.compiles += 1
-        self.replays += 1
+        self.replays += replay
         if self.stats is not None:
             self.stats.append({"key": key, **cache.compiled_stats(jitted, *args)})
         return jax.device_get(jitted(*args))
@@ -151,9 +176,10 @@ class Session:
         cached = self._flags.get(level)
         if cached is not None:
             return cached
+        known = self.known(level, jaxpr, consts, args, ns, shard)
 
         def fn(consts, args):
-            ctx = interpret.Ctx("flags")
+            ctx = interpret.Ctx("flags", known=known)
             arg_refs = [ctx.ref(a) for a in args] if top else []
             outs = interpret.walk(jaxpr, consts, args, ctx, ns)
             root, nan, literal = ctx.finalize()
@@ -170,7 +196,8 @@ class Session:
             return root, nan, literal, steps, codes
 
         res = self.call(
-            ("flags", _structure(level), top), fn, list(consts), list(args),
+            ("flags", _structure(level), top, tuple(sorted(known.items()))),
+            fn, list(consts), list(args),
             shard=shard, stacked=(False, True),
         )  # fmt: skip
         root, nan, literal, steps, codes = _pick(res, shard)
@@ -199,9 +226,10 @@ class Session:
         (inside a ``shard_map`` body: every shard's, stacked)."""
         missing = sorted(k for k in set(ks) if (level, k) not in self._captured)
         if missing:
+            known = self.known(level, jaxpr, consts, args, ns, shard)
 
             def fn(consts, args):
-                ctx = interpret.Ctx("capture", dict.fromkeys(missing))
+                ctx = interpret.Ctx("capture", dict.fromkeys(missing), known)
                 try:
                     interpret.walk(jaxpr, consts, args, ctx, ns)
                 except interpret.Stop as stop:
@@ -210,7 +238,7 @@ class Session:
                     f"replay: flat equations {missing} not reached"
                 )  # pragma: no cover
 
-            key = ("capture", _structure(level), tuple(missing))
+            key = ("capture", _structure(level), tuple(missing), tuple(sorted(known.items())))
             out = self.call(key, fn, list(consts), list(args), shard=shard, stacked=(False, True))
             for k, payload in zip(missing, out, strict=True):
                 self._captured[(level, k)] = payload
