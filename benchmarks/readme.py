@@ -55,6 +55,8 @@ def _zoo_command(records: list, path: str) -> str:
     size = "--quick" if steps == {100} else f"--steps {max(steps)}"
     names = list(dict.fromkeys(r["scenario"] for r in records))
     only = "" if set(names) == set(zoo.SCENARIOS) else f" --only {','.join(names)}"
+    arms = tuple(dict.fromkeys(r["arm"] for r in records))
+    only += "" if arms == zoo.ARMS else f" --arms {','.join(arms)}"
     return f"python benchmarks/zoo.py {size}{only} --json {path}"
 
 

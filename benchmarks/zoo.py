@@ -84,6 +84,9 @@ from nan2safe_jax import nn as n2s_nn  # noqa: E402
 from nan2safe_jax.numerics import all_finite  # noqa: E402
 
 ARMS = ("plain", "recipe", "nan2safe")
+# Ablation arm, run only when asked for (``--arms``): nan2safe with SAFE's learning-rate cut on
+# every parameter while any site is in SAFE (the behaviour before the cut went per site).
+LR_MODEL_ARM = "nan2safe_lr_model"
 STALL = 50  # consecutive skipped steps that count as a stall (death)
 LOSS_TOL = 1.5  # final loss within this factor of the fault-free run
 TAIL = 10  # steps averaged for the "final loss"
@@ -219,6 +222,7 @@ def _lm(**kw) -> Callable[[str], nnx.Module]:
 MODELS: dict[str, Callable[[str], nnx.Module]] = {
     "lm": _lm(),
     "lm_user_attn": _lm(attention="user"),
+    "lm_user_site": _lm(attention="user_site"),
     "lm_fp16w": _lm(param_dtype=jnp.float16),
     "lm_moe": _lm(num_experts=4, top_k=2),
     "sensor": lambda layers: SensorNet(
@@ -230,7 +234,7 @@ LOSSES = {k: sensor_loss if k == "sensor" else lm_loss for k in MODELS}
 
 def _layers(arm: str) -> str:
     """The layer set of an arm: the user's stock flax.nnx, or the nan2safe.nn sites."""
-    return "nan2safe" if arm == "nan2safe" else "flax"
+    return "nan2safe" if arm.startswith("nan2safe") else "flax"
 
 
 def _adamw(eps: float = 1e-8):
@@ -371,6 +375,15 @@ SCENARIOS: dict[str, Scenario] = {
             lambda steps, faulty: lm_batches(steps, _every(15, steps) if faulty else ()),
             expect=_user_code(_MASKED_PRIMS, _SOFTMAX_LINE),
             expect_text="no site: div|sub at UserAttention's softmax line",
+        ),
+        Scenario(
+            "intermittent_site",
+            "intermittent, after the user made the hand-written attention core a site "
+            "(nan2safe.nn.Site with a SAFE path); flax arms: the same plain core",
+            "lm_user_site",
+            lambda steps, faulty: lm_batches(steps, _every(15, steps) if faulty else ()),
+            expect=_site_prim({"blocks.0.attn.core", "blocks.1.attn.core"}, _MASKED_PRIMS),
+            expect_text="blocks.{0,1}.attn.core: div|sub",
         ),
     ]
 }
@@ -522,17 +535,56 @@ def _cache_locate_jaxprs(enable: bool = True) -> None:
     replay.locate_step = locate_step
 
 
-def _n2s_parts(model_key: str, eps: float, cfg: nan2safe.Config):
-    key = ("nan2safe", model_key, eps, cfg)
+def _n2s_parts(model_key: str, eps: float, cfg: nan2safe.Config, arm: str = "nan2safe"):
+    key = (arm, model_key, eps, cfg)
     if key not in _STEPS:
         tx = nan2safe.optax.guard(_adamw(eps), cfg)
-        _STEPS[key] = (tx, nan2safe.make_train_step(LOSSES[model_key]))
+        step = nan2safe.make_train_step(LOSSES[model_key])
+        if arm == LR_MODEL_ARM:
+            step = _with_model_wide_lr_cut(step)
+        _STEPS[key] = (tx, step)
     return _STEPS[key]
 
 
-def _run_nan2safe(sc: Scenario, steps: int, faulty: bool, data: list, workdir: Path) -> dict:
+def _model_wide_lr_factors(params, gs, factor):
+    """``train.lr_factors`` as it was before the cut went per site: ``factor`` on every
+    parameter while the whole model or any site is in SAFE."""
+    f = jnp.where(nan2safe.gear.any_safe(gs), factor, 1.0).astype(jnp.float32)
+    return jax.tree_util.tree_map(lambda _: f, params)
+
+
+def _with_model_wide_lr_cut(step_fn):
+    """``step_fn`` traced with ``_model_wide_lr_factors`` (the ``LR_MODEL_ARM`` ablation).
+
+    The step is jitted, so the swap only needs to hold while it is traced: for its first call,
+    and for ``locate``, which traces ``step_fn.jitted`` again.
+    """
+    from nan2safe_jax import train
+
+    def traced_with(fn):
+        def run(*args):
+            orig = train.lr_factors
+            train.lr_factors = _model_wide_lr_factors
+            try:
+                return fn(*args)
+            finally:
+                train.lr_factors = orig
+
+        return run
+
+    wrapped = traced_with(step_fn)
+    for name in dir(step_fn):
+        if not name.startswith("_"):
+            setattr(wrapped, name, getattr(step_fn, name))
+    wrapped.jitted = jax.jit(traced_with(step_fn.jitted))
+    return wrapped
+
+
+def _run_nan2safe(
+    sc: Scenario, steps: int, faulty: bool, data: list, workdir: Path, arm: str = "nan2safe"
+) -> dict:
     scale = sc.scale(faulty)
-    tx, step_fn = _n2s_parts(sc.model, sc.eps(faulty), CFG)
+    tx, step_fn = _n2s_parts(sc.model, sc.eps(faulty), CFG, arm)
     if workdir.exists():
         shutil.rmtree(workdir)
     trainer = nan2safe.Trainer(
@@ -588,8 +640,8 @@ def _run_nan2safe(sc: Scenario, steps: int, faulty: bool, data: list, workdir: P
 
 def _run(sc: Scenario, arm: str, steps: int, faulty: bool, workdir: Path) -> dict:
     data = sc.batches(steps, faulty)
-    if arm == "nan2safe":
-        return _run_nan2safe(sc, steps, faulty, data, workdir)
+    if arm.startswith("nan2safe"):
+        return _run_nan2safe(sc, steps, faulty, data, workdir, arm)
     return _run_functional(sc, arm, steps, faulty, data)
 
 
@@ -647,7 +699,7 @@ def _score(sc: Scenario, arm: str, steps: int, run: dict, clean: dict | None) ->
         median_step_s=float(np.median(run["times"])) if run["times"] else None,
         expected=sc.expect_text,
     )
-    if arm != "nan2safe":
+    if not arm.startswith("nan2safe"):
         return rec
     rec["incidents"] = sum(e["type"] in ("locate", "polluted_input", "transient") for e in ev)
     if loc is not None:
@@ -756,7 +808,7 @@ def table(records: list[dict], omit: tuple[str, ...] = ()) -> str:
                 v = f"{f:.2f}/{c:.2f}" if math.isfinite(f) and math.isfinite(c) else _fmt(f)
             elif key == "locate_seconds" and r.get(key) is not None:
                 v = f"{r[key]:.1f}" + ("w" if r.get("locate_warm") else "")
-            elif key == "first_downshift" and r["arm"] == "nan2safe":
+            elif key == "first_downshift" and r["arm"].startswith("nan2safe"):
                 v = f"{_fmt(r[key])}/{_fmt(r['clean_first_downshift'])}"
             else:
                 v = _fmt(r.get(key), spec)
@@ -772,7 +824,16 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write the records here")
     ap.add_argument("--steps", type=int, help="steps per run (overrides --quick)")
     ap.add_argument("--cold-locate", action="store_true", help="no jaxpr cache for locate")
+    ap.add_argument(
+        "--arms",
+        default=",".join(ARMS),
+        help=f"comma-separated arms (default {','.join(ARMS)}; also {LR_MODEL_ARM}: SAFE's "
+        "learning-rate cut on the whole model, the behaviour before it went per site)",
+    )
     args = ap.parse_args(argv)
+    arms = tuple(a for a in args.arms.split(",") if a)
+    if not arms or set(arms) - {*ARMS, LR_MODEL_ARM}:
+        ap.error(f"--arms: unknown arm in {args.arms!r}; have {[*ARMS, LR_MODEL_ARM]}")
     names = [n for n in args.only.split(",") if n] or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
@@ -782,7 +843,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     for name in names:
         t1 = time.time()
-        recs = run_scenario(name, quick=args.quick, steps=args.steps)
+        recs = run_scenario(name, quick=args.quick, steps=args.steps, arms=arms)
         records.extend(recs)
         print(f"[{name}] {time.time() - t1:.0f} s", flush=True)
     print()

@@ -21,7 +21,10 @@ is identical in both.
 hand in the model's own code, as many GPT implementations do (fp16 logits, masked logits filled
 with ``-inf``). That formulation is fragile where flax's is not (a fully masked row is
 ``-inf - -inf = NaN``); it is user code, so it is the same in both layer sets (its projections are
-the layer set's ``LinearGeneral``).
+the layer set's ``LinearGeneral``). ``attention="user_site"`` is what a user does after tier 2
+named that core: on nan2safe layers the core becomes ``nan2safe.nn.Site(user_attention_core,
+safe=user_attention_core_safe)``, a site of its own (``blocks.N.attn.core``, no parameters) that
+SAFE can repair; on flax layers it stays the plain function.
 
 Fault injection without editing the model (``Knob`` variables of the model's own code; data:
 changing them never recompiles):
@@ -46,6 +49,8 @@ import optax
 from flax import nnx
 
 from nan2safe_jax import nn
+from nan2safe_jax import ops as nan2safe_ops
+from nan2safe_jax.gear import Gear
 
 __all__ = [
     "Block",
@@ -97,7 +102,10 @@ class TransformerConfig:
     # arms see identical numerics.
     attn_dropout: float = 0.0
     layers: str = "nan2safe"  # "flax": stock flax.nnx layers; "nan2safe": nan2safe.nn sites
-    attention: str = "mha"  # "mha": the layer set's MultiHeadAttention; "user": UserAttention
+    # "mha": the layer set's MultiHeadAttention; "user": UserAttention; "user_site": UserAttention
+    # whose core is a ``nan2safe.nn.Site`` on nan2safe layers (what an incident in the hand-written
+    # core suggests; the same plain function on flax layers)
+    attention: str = "mha"
 
     def __post_init__(self):
         for name in ("num_layers", "d_model", "num_heads", "seq_len", "vocab"):
@@ -113,8 +121,10 @@ class TransformerConfig:
             raise ValueError(f"pad_mask must be 'self' or 'keys', got {self.pad_mask!r}")
         if self.layers not in ("flax", "nan2safe"):
             raise ValueError(f"layers must be 'flax' or 'nan2safe', got {self.layers!r}")
-        if self.attention not in ("mha", "user"):
-            raise ValueError(f"attention must be 'mha' or 'user', got {self.attention!r}")
+        if self.attention not in ("mha", "user", "user_site"):
+            raise ValueError(
+                f"attention must be 'mha', 'user' or 'user_site', got {self.attention!r}"
+            )
         if self.norm not in ("layer", "rms"):
             raise ValueError(f"norm must be 'layer' or 'rms', got {self.norm!r}")
         if self.num_experts and not 1 <= self.top_k <= self.num_experts:
@@ -232,6 +242,8 @@ class UserAttention(nnx.Module):
         self.key = lib.LinearGeneral(cfg.d_model, proj, **kw)
         self.value = lib.LinearGeneral(cfg.d_model, proj, **kw)
         self.out = lib.LinearGeneral(proj, cfg.d_model, axis=(-2, -1), **kw)
+        site = cfg.attention == "user_site" and cfg.layers == "nan2safe"
+        self.core = nn.Site(user_attention_core, safe=user_attention_core_safe) if site else None
 
     def __call__(
         self,
@@ -244,11 +256,27 @@ class UserAttention(nnx.Module):
         """``MultiHeadAttention``'s call (``[batch, T, d]`` in and out; ``mask`` True = see)."""
         q, k, v = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
         q = q / jnp.sqrt(self.head_dim).astype(q.dtype)
-        logits = jnp.einsum("...qhd,...khd->...hqk", q, k)
-        if mask is not None:
-            logits = jnp.where(mask, logits, -jnp.inf)
-        weights = jax.nn.softmax(logits, axis=-1)
-        return self.out(jnp.einsum("...hqk,...khd->...qhd", weights, v))
+        if self.core is None:
+            return self.out(user_attention_core(q, k, v, mask))
+        return self.out(self.core(q, k, v, mask))
+
+
+def user_attention_core(q, k, v, mask=None):
+    """``UserAttention``'s core as written: logits, ``-inf`` fill, ``jax.nn.softmax``, values."""
+    logits = jnp.einsum("...qhd,...khd->...hqk", q, k)
+    if mask is not None:
+        logits = jnp.where(mask, logits, -jnp.inf)
+    weights = jax.nn.softmax(logits, axis=-1)
+    return jnp.einsum("...hqk,...khd->...qhd", weights, v)
+
+
+def user_attention_core_safe(q, k, v, mask=None):
+    """The core's SAFE path: f32 logits and ``nan2safe.ops.softmax`` at SAFE, so a fully masked
+    row gives zeros (with finite gradients) instead of ``-inf - -inf = NaN``."""
+    logits = jnp.einsum("...qhd,...khd->...hqk", q.astype(jnp.float32), k.astype(jnp.float32))
+    weights = nan2safe_ops.softmax(logits, axis=-1, where=mask, gear=Gear.SAFE)
+    out = jnp.einsum("...hqk,...khd->...qhd", weights, v.astype(jnp.float32))
+    return out.astype(v.dtype)
 
 
 class Block(nnx.Module):
@@ -260,7 +288,7 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         self.ln1 = _norm(cfg, rngs)
-        if cfg.attention == "user":
+        if cfg.attention in ("user", "user_site"):
             self.attn = UserAttention(cfg, rngs=rngs)
         else:
             self.attn = _lib(cfg).MultiHeadAttention(
