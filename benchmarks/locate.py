@@ -4,7 +4,8 @@ Two suites.
 
 ``--suite ladder`` (default; writes ``docs/locate.json``, ``--markdown`` prints the README table):
 a scale ladder of ``examples/transformer.py``'s model, built from ``nan2safe.nn`` sites and
-trained by ``nan2safe.make_train_step`` (the Trainer's real step): ``tiny``, ``demo`` (2 layers,
+trained by ``nan2safe.make_train_step`` (the Trainer's real step; at FAST, its FAST-only
+program): ``tiny``, ``demo`` (2 layers,
 d_model 128, seq 64, batch 8), ``4x256`` (4 layers, d_model 256, seq 128, batch 8) and ``gpt2s``
 (12 layers, d_model 768, 12 heads, seq 256, batch 2), each unrolled and with ``scan_layers``; two
 faults, each a fault a stock flax model has, written in the example model's own code:
@@ -352,7 +353,9 @@ def build_ladder(rung: str, layout: str, fault: str):
     batch = {"tokens": jnp.where(mask, tokens, 0), "mask": mask}
     state = nan2safe.TrainState.create(model, optax.sgd(1e-3), nan2safe.Config())
     step = nan2safe.make_train_step(lm_loss)
-    return step.jitted, (state, batch)
+    # Every gear is FAST: the program that runs the step, and that the Trainer replays, is the
+    # FAST-only one (nan2safe_jax.programs).
+    return step.jitted_fast, (state, batch)
 
 
 def _user_line(marker: str) -> str:

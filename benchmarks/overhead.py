@@ -4,10 +4,14 @@ Both arms train the demo-size decoder (4 layers, d_model 256, seq 128, batch 8, 
   plain    — the transformer written with flax.nnx modules, optax.adamw, one jax.jit step;
   nan2safe — examples.transformer (nan2safe.nn sites, probes on) through make_train_step with
              guard(optax.adamw) in FAST: loss scale, geared clip, skip-non-finite, detector.
+             Every gear is FAST, so the step runs its FAST-only program (nan2safe_jax.programs;
+             its general program is not needed, and is not compiled in the background here).
 Variants are interleaved over rounds so machine drift hits both alike; each round times
 ``--steps`` steps after a warm-up. Prints min/median/max per arm and the median ratio.
 
-``--ablation`` adds two arms that split the overhead (interleaved with the others):
+``--ablation`` adds arms that split the overhead (interleaved with the others):
+  general  — the nan2safe arm with ``make_train_step(fast_program=False)``: the one general
+             program (every gear's path compiled, a gear switch per op) running at FAST;
   guard    — the *plain* flax.nnx model through make_train_step with guard(optax.adamw): the step
              machinery alone (loss scale, geared clip, skip, detector, polluted-input check,
              per-site learning-rate factors; the plain model has no sites and no probes);
@@ -19,7 +23,9 @@ Variants are interleaved over rounds so machine drift hits both alike; each roun
 Each round is timed on the wall clock and on the process's CPU clock (``time.process_time``:
 the work done, less sensitive to other jobs on a shared machine); both ratios are reported.
 
-``--compile`` times ``jax.jit(step).lower(...)`` and ``.compile()`` of each arm instead, each
+``--compile`` times ``jax.jit(step).lower(...)`` and ``.compile()`` of each arm instead: plain,
+nan2safe (the FAST-only program: what the first step waits for) and general (the general
+program, which a run compiles in a background thread after its first step), each
 arm in a fresh subprocess (no cache shared between arms; the persistent compilation cache is
 off), with its peak RSS; a child past ``--rss-cap-gb`` is killed and reported as such.
 ``--scan-layers`` builds the nan2safe model with ``nnx.scan`` over stacked blocks (the plain
@@ -53,6 +59,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Timed steps run the FAST-only program; a background compile of the general one would share the
+# CPU with them (nan2safe_jax.programs).
+os.environ.setdefault("NAN2SAFE_BACKGROUND_COMPILE", "0")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -140,20 +149,22 @@ def make_plain(cfg, tx, rules=None):
     return run
 
 
-def make_n2s(cfg, tx, rules=None, n2s_cfg=None, model=None, loss_fn=lm_loss):
+def make_n2s(cfg, tx, rules=None, n2s_cfg=None, model=None, loss_fn=lm_loss, fast_program=True):
     """The nan2safe arm; ``model``/``loss_fn`` default to the example transformer (the guard
-    ablation passes the plain model and its loss)."""
+    ablation passes the plain model and its loss). ``run.lower`` lowers the program an all-FAST
+    state runs (the general one with ``fast_program=False``)."""
     model = Transformer(cfg, rngs=nnx.Rngs(0)) if model is None else model
     n2s_cfg = nan2safe.Config() if n2s_cfg is None else n2s_cfg
     state = nan2safe.TrainState.create(model, nan2safe.optax.guard(tx), n2s_cfg)
-    step = nan2safe.make_train_step(loss_fn, rules=rules)
+    step = nan2safe.make_train_step(loss_fn, rules=rules, fast_program=fast_program)
     carry = [state]
 
     def run(batch):
         carry[0], m = step(carry[0], batch)
         return m["loss"]
 
-    run.lower = lambda batch: step.jitted.lower(carry[0], batch)
+    program = step.jitted_fast if fast_program else step.jitted
+    run.lower = lambda batch: program.lower(carry[0], batch)
 
     def set_site(name, gear, cfg):
         st = carry[0]
@@ -169,6 +180,8 @@ def make_arm(name, cfg, tx, rules=None):
         return make_plain(cfg, tx, rules)
     if name == "nan2safe":
         return make_n2s(cfg, tx, rules)
+    if name == "general":
+        return make_n2s(cfg, tx, rules, fast_program=False)
     if name == "noprobe":
         return make_n2s(cfg, tx, rules, n2s_cfg=nan2safe.Config(probes=()))
     if name == "safe_attn":
@@ -247,6 +260,11 @@ def _compile_table(rec: dict) -> list[str]:
         lines.append(f"{k:<10} {r['lower_s']:8.1f} {r['compile_s']:10.1f} {r['rss_gb']:12.2f}")
     if rec.get("ratio") is not None:
         lines.append(f"compile ratio nan2safe / plain: {rec['ratio']:.2f}x")
+    if rec.get("ratio_general") is not None:
+        lines.append(
+            f"compile ratio general / plain: {rec['ratio_general']:.2f}x (the general program: "
+            "compiled in a background thread while the FAST-only one trains)"
+        )
     return lines
 
 
@@ -318,12 +336,18 @@ def _compile_main(args, argv) -> dict:
         i = argv.index("--json")
         del argv[i : i + 2]
     arms = {
-        a: _run_child(argv, a, args.rss_cap_gb, args.child_timeout) for a in ("plain", "nan2safe")
+        a: _run_child(argv, a, args.rss_cap_gb, args.child_timeout)
+        for a in ("plain", "nan2safe", "general")
     }
-    ok = all("compile_s" in r for r in arms.values())
+    ratio = lambda a: (  # noqa: E731
+        arms[a]["compile_s"] / arms["plain"]["compile_s"]
+        if "compile_s" in arms[a] and "compile_s" in arms["plain"]
+        else None
+    )
     rec = {
         "arms": arms,
-        "ratio": arms["nan2safe"]["compile_s"] / arms["plain"]["compile_s"] if ok else None,
+        "ratio": ratio("nan2safe"),
+        "ratio_general": ratio("general"),
         "dtype": args.dtype,
         "scan_layers": args.scan_layers,
         "backend": jax.default_backend(),
@@ -385,7 +409,8 @@ def main(argv=None):
     batches = [make_batch(jax.random.key(i), cfg, args.batch) for i in range(4)]
     if rules is not None:
         batches = [nan2safe.sharding.shard_batch(b, rules) for b in batches]
-    names = ["plain", "nan2safe"] + (["guard", "noprobe", "safe_attn"] if args.ablation else [])
+    names = ["plain", "nan2safe"]
+    names += ["general", "guard", "noprobe", "safe_attn"] if args.ablation else []
     arms = {k: make_arm(k, cfg, tx, rules) for k in names}
     for run in arms.values():  # compile and warm up
         time_steps(run, batches, 3)

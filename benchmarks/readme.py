@@ -128,6 +128,7 @@ TABLES: dict[str, tuple[str, Callable, Callable]] = {
         lambda rec, path: rec["command"],  # recorded since the script's first run
     ),
     "zoo": ("docs/zoo_quick.json", _zoo, _zoo_command),
+    "zoo_lr_cut": ("docs/zoo_lr_cut.json", _zoo, _zoo_command),
     "ops": ("docs/ops.json", _ops, _ops_command),
     "locate": ("docs/locate.json", _locate, _locate_command),
     "false_alarms": ("docs/false_alarms.json", _false_alarms, _false_alarms_command),

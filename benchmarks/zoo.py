@@ -58,6 +58,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -539,9 +540,19 @@ def _n2s_parts(model_key: str, eps: float, cfg: nan2safe.Config, arm: str = "nan
     key = (arm, model_key, eps, cfg)
     if key not in _STEPS:
         tx = nan2safe.optax.guard(_adamw(eps), cfg)
-        step = nan2safe.make_train_step(LOSSES[model_key])
         if arm == LR_MODEL_ARM:
-            step = _with_model_wide_lr_cut(step)
+            # Every trace of this step must happen inside the swap: no background compile.
+            before = os.environ.get("NAN2SAFE_BACKGROUND_COMPILE")
+            os.environ["NAN2SAFE_BACKGROUND_COMPILE"] = "0"
+            try:
+                step = _with_model_wide_lr_cut(nan2safe.make_train_step(LOSSES[model_key]))
+            finally:
+                if before is None:
+                    del os.environ["NAN2SAFE_BACKGROUND_COMPILE"]
+                else:
+                    os.environ["NAN2SAFE_BACKGROUND_COMPILE"] = before
+        else:
+            step = nan2safe.make_train_step(LOSSES[model_key])
         _STEPS[key] = (tx, step)
     return _STEPS[key]
 
@@ -556,8 +567,9 @@ def _model_wide_lr_factors(params, gs, factor):
 def _with_model_wide_lr_cut(step_fn):
     """``step_fn`` traced with ``_model_wide_lr_factors`` (the ``LR_MODEL_ARM`` ablation).
 
-    The step is jitted, so the swap only needs to hold while it is traced: for its first call,
-    and for ``locate``, which traces ``step_fn.jitted`` again.
+    The step is jitted, so the swap only needs to hold while it is traced: for its first calls
+    (each of its two programs), and for ``locate``, which traces ``step_fn.jitted`` or
+    ``step_fn.jitted_fast`` again.
     """
     from nan2safe_jax import train
 
@@ -577,6 +589,7 @@ def _with_model_wide_lr_cut(step_fn):
         if not name.startswith("_"):
             setattr(wrapped, name, getattr(step_fn, name))
     wrapped.jitted = jax.jit(traced_with(step_fn.jitted))
+    wrapped.jitted_fast = jax.jit(traced_with(step_fn.jitted_fast))
     return wrapped
 
 
@@ -784,9 +797,10 @@ def _fmt(v, spec: str = "") -> str:
 
 def table(records: list[dict], omit: tuple[str, ...] = ()) -> str:
     """The records as the printed table, without the columns titled in ``omit``."""
+    wide = lambda key, least: max([least, *(len(str(r[key])) for r in records)])  # noqa: E731
     cols = [
-        ("scenario", 13, "scenario", ""),
-        ("arm", 8, "arm", ""),
+        ("scenario", wide("scenario", 13), "scenario", ""),
+        ("arm", wide("arm", 8), "arm", ""),
         ("surv", 5, "survived", ""),
         ("lost", 5, "steps_lost", ""),
         ("1st bad", 7, "first_nonfinite", ""),

@@ -98,6 +98,11 @@ def any_safe(gs: GearState) -> jax.Array:
     return jnp.any(jnp.stack(flags))
 
 
+def any_below_fast(gs: GearState) -> jax.Array:
+    """True when the whole model or any site runs below FAST (STABLE or SAFE)."""
+    return _any_below_fast(gs.level, gs.sites)
+
+
 def _any_below_fast(level: jax.Array, sites: Mapping[str, jax.Array]) -> jax.Array:
     """True when the global level or any site is below FAST (STABLE or SAFE)."""
     return jnp.any(

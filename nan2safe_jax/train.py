@@ -26,6 +26,8 @@ from nan2safe_jax import sharding as sharding_lib
 from nan2safe_jax.config import Config
 from nan2safe_jax.detector import DetectorState
 from nan2safe_jax.gear import Gear, GearState
+from nan2safe_jax.ops import dispatch
+from nan2safe_jax.programs import StepPrograms
 from nan2safe_jax.site import Probe, collect_probes, name_sites, path_name, site_gears
 
 BUILTIN_PROBES = ("loss", "grad_norm", "update_norm")
@@ -123,13 +125,30 @@ class TrainState(struct.PyTreeNode):
         return self.replace(detector=new)
 
 
-def _with_gears(state: TrainState):
-    """The non-param state with every site's gear variable set to its effective gear."""
-    model = nnx.merge(state.graphdef, state.params, state.rest)
+def _with_gears(state: TrainState, fast_only: bool = False):
+    """The non-param state with every site's gear variable set to its effective gear.
+
+    ``fast_only``: every gear variable holds ``ops.dispatch.fast_only_gear`` (FAST, known at
+    trace time), so each site calls its FAST path directly and traces no gear switch at all.
+    ``state.rest`` itself is left as it is (a copy is merged).
+    """
+    model = nnx.merge(state.graphdef, state.params, state.rest, copy=True)
     for name, var in site_gears(model).items():
-        if name in state.gear.sites:
+        if fast_only:
+            var.set_value(dispatch.fast_only_gear(jnp.shape(var.get_value())))
+        elif name in state.gear.sites:
             eff = gear_lib.effective(state.gear, name)
             var.set_value(jnp.broadcast_to(eff, jnp.shape(var.get_value())).astype(jnp.int32))
+    _, _, rest = nnx.split(model, nnx.Param, ...)
+    return rest
+
+
+def _keep_gears(state: TrainState, rest):
+    """``rest`` with every site's gear variable as it is in ``state.rest``."""
+    model = nnx.merge(state.graphdef, state.params, rest, copy=True)
+    old = site_gears(nnx.merge(state.graphdef, state.params, state.rest, copy=True))
+    for name, var in site_gears(model).items():
+        var.set_value(old[name].get_value())
     _, _, rest = nnx.split(model, nnx.Param, ...)
     return rest
 
@@ -222,8 +241,15 @@ def train_step(
     loss_fn: Callable,
     lr_schedule: Callable | None = None,
     has_aux: bool = False,
+    fast_only: bool = False,
 ) -> tuple[TrainState, dict]:
     """One step (un-jitted); ``make_train_step`` jits it. See the module docstring.
+
+    ``fast_only``: the step specialised to a state whose gears are all FAST
+    (``programs.all_fast``): every site runs its FAST path as plain code, with no gear switch
+    to trace or compile (``ops.dispatch.fast_only_gear``). The gear logic itself (detector,
+    transitions, learning-rate factors) still runs on the state's gears, so it computes what
+    the general step computes for such a state, next gears included.
 
     A step that is not applied (``metrics["skipped"]``) returns every variable of the state as
     it was — parameters, optimizer state, the model's other variables (BatchNorm statistics),
@@ -233,7 +259,7 @@ def train_step(
     """
     cfg = state.cfg
     gs = state.gear
-    rest = _with_gears(state)
+    rest = _with_gears(state, fast_only)
     scale = guard_lib.loss_scale_of(state.opt_state)
     # One reduction over the batch's floating leaves; under sharding it is a global reduction in
     # the one SPMD program, so every process reads the same verdict.
@@ -246,6 +272,8 @@ def train_step(
     (_, (loss, probes, new_rest, aux)), sgrads = jax.value_and_grad(scaled_loss, has_aux=True)(
         state.params
     )
+    if fast_only:  # the gear variables go back to the state's (int32) values
+        new_rest = _keep_gears(state, new_rest)
     inv_scale = 1.0 / scale
     grads = jax.tree_util.tree_map(
         lambda g: (g.astype(jnp.float32) * inv_scale).astype(g.dtype), sgrads
@@ -353,6 +381,8 @@ def train_step(
         "probes": probes,
         "probe_risk": dict(zip(det.names, risk.per_probe, strict=True)),
         "site_gears": {k: gear_lib.effective(gs, k) for k in gs.sites},
+        # Read by ``make_train_step`` to pick the next step's program without reading the gears.
+        "next_all_fast": ~gear_lib.any_below_fast(new_gs),
     }
     if has_aux:
         metrics["aux"] = aux
@@ -390,11 +420,15 @@ def make_train_step(
     mesh: Any = None,
     rules: Any = None,
     has_aux: bool = False,
+    fast_program: bool = True,
 ) -> Callable:
     """The jitted ``(state, batch) -> (state, metrics)`` step.
 
     Gears are values in ``state.gear``: changing them (by the detector, by ``gear.set_level`` /
-    ``gear.set_site``, or by the trainer) never retraces or recompiles.
+    ``gear.set_site``, or by the trainer) never retraces or recompiles. With ``fast_program``
+    the step is compiled twice, a FAST-only program for states whose gears are all FAST and the
+    general one for any gear; the one not needed first compiles in a background thread
+    (``nan2safe_jax.programs``).
 
     Args:
       loss_fn: ``loss_fn(model, batch) -> scalar``; ``model`` is the ``nnx.Module``.
@@ -410,18 +444,36 @@ def make_train_step(
         device holds the same risk and next gear (see ``nan2safe_jax.sharding``).
       has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` comes back as ``metrics["aux"]``.
         Without it a tuple from ``loss_fn`` is a ``ValueError`` that says so.
+      fast_program: run all-FAST states with the FAST-only program (default). It costs one bool
+        read per step (the previous step's ``metrics["next_all_fast"]``); False keeps the one
+        general program and fully asynchronous dispatch.
 
     Returns:
       ``step(state, batch)``. Its metrics hold ``loss``, ``risk``, ``gear`` (the level this step
       ran with), ``loss_scale``, ``grad_norm``, ``nonfinite``, ``skipped``, per-probe ``probes``
-      and ``probe_risk``, ``site_gears`` and ``state_finite`` (checked on checkpoint steps).
-      ``step.jitted`` is the step jitted without shardings (what ``replay.locate_step`` traces;
-      give it arguments gathered with ``nan2safe.sharding.to_local``); ``step.rules`` the rules.
+      and ``probe_risk``, ``site_gears``, ``state_finite`` (checked on checkpoint steps) and
+      ``next_all_fast`` (the next step's program). ``step.jitted`` is the general step jitted
+      without shardings and ``step.jitted_fast`` the FAST-only one (what
+      ``replay.locate_step`` traces; give it arguments gathered with
+      ``nan2safe.sharding.to_local``); ``step.rules`` the rules; ``step.programs`` the
+      ``StepPrograms`` in use; ``step.wait_compiled()`` blocks until background compiles are
+      done.
     """
     rules = sharding_lib.resolve(mesh, rules)
     fn = functools.partial(train_step, loss_fn=loss_fn, lr_schedule=lr_schedule, has_aux=has_aux)
+    fast_fn = functools.partial(fn, fast_only=True)
     donate_argnums = (0,) if donate else ()
     compiled = jax.jit(fn, donate_argnums=donate_argnums) if jit else fn
+    compiled_fast = jax.jit(fast_fn, donate_argnums=donate_argnums) if jit else fast_fn
+    programs: list[StepPrograms] = []
+
+    def with_fast_program(general: Callable, fast: Callable) -> Callable:
+        if not (jit and fast_program):
+            return general
+        programs.append(StepPrograms(fast, general))
+        return programs[-1]
+
+    run = with_fast_program(compiled, compiled_fast)
     checked: dict[tuple, tuple] = {}
     sharded: dict[tuple, Callable] = {}
     last_out: list = [None]  # the state this step returned last: already on the mesh
@@ -441,12 +493,12 @@ def make_train_step(
         if f is None:
             state_sh = sharding_lib.state_shardings(state, rules)
             batch_sh = sharding_lib.batch_shardings(batch, rules)
-            f = sharded[key] = jax.jit(
-                fn,
+            kw = dict(
                 in_shardings=(state_sh, batch_sh),
                 out_shardings=(state_sh, rules.replicated),
                 donate_argnums=donate_argnums,
             )
+            f = sharded[key] = with_fast_program(jax.jit(fn, **kw), jax.jit(fast_fn, **kw))
         new_state, metrics = f(state, batch)
         last_out[0] = new_state
         return new_state, metrics
@@ -474,10 +526,17 @@ def make_train_step(
             return run_sharded(state, batch)
         if donate and jit and state is not last_out[0]:
             state = _unalias(state)
-        new_state, metrics = compiled(state, batch)
+        new_state, metrics = run(state, batch)
         last_out[0] = new_state if donate else None
         return new_state, metrics
 
+    def wait_compiled() -> None:
+        for p in programs:
+            p.wait()
+
     step.jitted = compiled
+    step.jitted_fast = compiled_fast
+    step.programs = programs  # the StepPrograms made so far (one per sharding layout)
     step.rules = rules
+    step.wait_compiled = wait_compiled
     return step

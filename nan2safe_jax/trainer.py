@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nan2safe_jax import incidents
+from nan2safe_jax import incidents, programs
 from nan2safe_jax import sharding as sharding_lib
 from nan2safe_jax.checkpoint import Checkpointer
 from nan2safe_jax.config import Config
@@ -385,7 +385,13 @@ class Trainer:
             # Multi-process: each process holds its own rows; the global batch first.
             batch = sharding_lib.shard_batch(batch, self.rules)
             before, batch = sharding_lib.to_local((before, batch))
-        decision = incidents.decide(self.step_fn.jitted, before, batch, done.after, m, self.cfg)
+        # Replay the program that ran the step: the FAST-only one for an all-FAST state.
+        program = self.step_fn.jitted
+        if getattr(self.step_fn, "jitted_fast", None) is not None and programs.all_fast(
+            before.gear
+        ):
+            program = self.step_fn.jitted_fast
+        decision = incidents.decide(program, before, batch, done.after, m, self.cfg)
         report = decision.report
         where = [getattr(report, k, None) for k in ("site", "primitive")]
         sharding_lib.agree([decision.kind, *where], "tier-2 decision")  # multi-process only

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
-import jax
-import pytest
+# Test runs are short: the step's second program compiles when first needed, not in a
+# background thread (nan2safe_jax.programs; tests/test_programs.py turns it on where it tests it).
+os.environ.setdefault("NAN2SAFE_BACKGROUND_COMPILE", "0")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _counter = {"n": 0}

@@ -8,6 +8,12 @@ train step 15-20% on the CPU, and moved FAST's results by an ulp); one ``cond`` 
 passes FAST's value through at FAST or runs the STABLE / SAFE path instead. ``branch_site``
 re-enters a site's name scope inside every branch so the localizer can name it.
 
+A gear of dtype ``FAST_ONLY`` (uint8; ``fast_only_gear``) is FAST known at trace time, even as a
+tracer: the switch calls the FAST branch directly. ``make_train_step`` builds its FAST-only
+program (``nan2safe_jax.programs``) this way for a state whose gears are all FAST; as a dtype, the
+marker survives ``nnx.scan``'s per-layer slicing and an inner ``jax.jit`` (whose trace caches key
+on it: an inner function traced for the FAST-only program is never reused by the general one).
+
 Gears whose paths are the same function (an op passes the same callable, decided at trace time
 from the dtype: an f32 ``Linear``'s STABLE *is* its FAST) share one branch: XLA compiles each
 distinct path once, and a gear that maps to a single path needs no ``cond`` at all.
@@ -21,10 +27,18 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from nan2safe_jax.site import branch_site as branch_site  # re-exported: ops.branch_site
 from nan2safe_jax.site import current_branch_site, scoped
+
+FAST_ONLY = np.dtype(np.uint8)  # the dtype of a gear that is FAST, known at trace time
+
+
+def fast_only_gear(shape: Sequence[int] = ()) -> np.ndarray:
+    """A gear of ``shape`` that every ``switch`` traces as FAST alone (see the module doc)."""
+    return np.zeros(tuple(shape), FAST_ONLY)
 
 
 def _static_gear(gear: Any) -> int | None:
@@ -70,6 +84,8 @@ def switch(gear: Any, branches: Sequence[Callable[..., Any]], *operands: Any) ->
     Raises:
       ValueError: a Python int outside the branches, or a gear that is not a scalar.
     """
+    if getattr(gear, "dtype", None) == FAST_ONLY:
+        return branches[0](*operands)
     g = _static_gear(gear)
     if g is not None:
         if isinstance(gear, int) and not 0 <= g < len(branches):

@@ -1,0 +1,145 @@
+"""``programs.py``: the FAST-only program for all-FAST states, the general one for the rest."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from tiny_models import D, data, loss_fn
+
+import nan2safe_jax as nan2safe
+from nan2safe_jax import Config, Gear, TrainState, make_train_step, programs
+from nan2safe_jax import gear as G
+
+
+class SiteNet(nnx.Module):
+    """``nan2safe.nn`` sites (each op a gear switch in the general program)."""
+
+    def __init__(self, *, rngs, dtype=jnp.float32):
+        kw = dict(dtype=dtype, rngs=rngs)
+        self.fc1 = nan2safe.nn.Linear(D, 2 * D, **kw)
+        self.norm = nan2safe.nn.LayerNorm(2 * D, **kw)
+        self.fc2 = nan2safe.nn.Linear(2 * D, 1, **kw)
+
+    def __call__(self, x):
+        return self.fc2(jax.nn.relu(self.norm(self.fc1(x))))
+
+
+def _state(dtype=jnp.float32, cfg=None):
+    cfg = cfg or Config()
+    model = SiteNet(rngs=nnx.Rngs(0), dtype=dtype)
+    return TrainState.create(model, nan2safe.optax.guard(optax.adam(1e-3), cfg), cfg)
+
+
+def _conds(jaxpr) -> int:
+    """``cond`` equations anywhere in ``jaxpr`` (inside calls, loops and branches too)."""
+    return str(jaxpr).count("cond[")
+
+
+def test_the_fast_program_traces_no_gear_switch():
+    step = make_train_step(loss_fn)
+    state = _state(jnp.float16)
+    x, y = data(1)
+    batch = (x[0], y[0])
+    fast = _conds(jax.make_jaxpr(step.jitted_fast)(state, batch).jaxpr)
+    general = _conds(jax.make_jaxpr(step.jitted)(state, batch).jaxpr)
+    # The general step holds a switch per site op, forward and backward; the FAST program only
+    # the step's own conds (the checkpoint-step finiteness check), which the general one holds.
+    assert general - fast >= 6, (fast, general)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=["f32", "f16"])
+def test_all_fast_states_run_the_fast_program_with_the_general_programs_numbers(dtype):
+    """The same numbers up to rounding: the general program's ``cond`` per op is a fusion
+    boundary, so a reduction there can round in another order (a few fp16 ulps)."""
+    tol = 1e-5 if dtype == jnp.float32 else 4e-3
+    step = make_train_step(loss_fn)
+    general = make_train_step(loss_fn, fast_program=False)
+    x, y = data(4)
+    a = b = _state(dtype)
+    for i in range(4):
+        a, ma = step(a, (x[i], y[i]))
+        b, mb = general(b, (x[i], y[i]))
+        for k in ("loss", "grad_norm", "risk", "next_gear", "skipped"):
+            np.testing.assert_allclose(np.asarray(ma[k]), np.asarray(mb[k]), rtol=tol, err_msg=k)
+    for la, lb in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_allclose(
+            np.asarray(la, np.float32), np.asarray(lb, np.float32), rtol=tol, atol=tol
+        )
+
+
+def _program(step) -> str:
+    """Which program ran ``step``'s last call."""
+    return step.programs[0].last_program
+
+
+def test_a_gear_change_picks_the_general_program_and_back():
+    step = make_train_step(loss_fn)
+    x, y = data(1)
+    batch = (x[0], y[0])
+    state, m = step(_state(), batch)
+    assert _program(step) == "fast" and bool(m["next_all_fast"])
+    state = state.replace(gear=G.set_site(state.gear, "norm", Gear.SAFE))
+    state, m = step(state, batch)
+    assert _program(step) == "general" and int(m["site_gears"]["norm"]) == Gear.SAFE
+    state = state.replace(gear=G.set_site(state.gear, "norm", Gear.FAST))
+    state, m = step(state, batch)
+    assert _program(step) == "fast"
+
+
+def test_a_downshift_decided_in_the_step_moves_the_next_step_to_the_general_program():
+    """The gears the step decides (here: SAFE's dwell of one step ends in STABLE, not FAST) pick
+    the next program through ``metrics["next_all_fast"]``, not a read of the gears."""
+    cfg = Config(safe_max_steps=1)
+    step = make_train_step(loss_fn)
+    x, y = data(3)
+    state = _state(cfg=cfg)
+    state = state.replace(gear=G.set_site(state.gear, "fc1", Gear.SAFE, cfg=cfg))
+    state, m = step(state, (x[0], y[0]))
+    assert _program(step) == "general"
+    assert bool(m["next_all_fast"]) == programs.all_fast(state.gear)
+    assert not bool(m["next_all_fast"])  # SAFE -> STABLE
+    state, m = step(state, (x[1], y[1]))
+    assert _program(step) == "general"
+
+
+def test_background_compile_makes_the_first_gear_change_compile_nothing(
+    count_compiles, monkeypatch
+):
+    """With the background compile on, the general program is built while the FAST one trains:
+    the first downshift then compiles nothing."""
+    monkeypatch.setenv("NAN2SAFE_BACKGROUND_COMPILE", "1")
+    step = make_train_step(loss_fn)
+    x, y = data(2)
+    state, _ = step(_state(), (x[0], y[0]))
+    safe = state.replace(gear=G.set_site(state.gear, "norm", Gear.SAFE))
+    step.wait_compiled()
+    with count_compiles() as c:
+        _, m = step(safe, (x[1], y[1]))
+        jax.block_until_ready(m)
+    assert c.count == 0
+    assert _program(step) == "general" and int(m["site_gears"]["norm"]) == Gear.SAFE
+
+
+def test_a_fast_only_gear_traces_no_switch_even_sliced_inside_scan_or_an_inner_jit():
+    """A ``fast_only_gear`` (here stacked and sliced per layer inside ``scan``, as in an
+    ``nnx.scan`` stack, and passed into an inner ``jax.jit``) traces the FAST branch alone; the
+    same functions with an int32 gear keep their switch (the inner jit's cache keys on dtype)."""
+    from jax import lax
+
+    from nan2safe_jax.ops import dispatch
+
+    branches = [lambda x: x * 2.0, lambda x: x * 3.0, lambda x: x * 4.0]
+    inner = jax.jit(lambda g, c: dispatch.switch(g, branches, c))
+
+    def f(x, gears):
+        return lax.scan(lambda c, g: (inner(g, c), None), x, gears)[0]
+
+    x = jnp.float32(1.0)
+    fast = jax.make_jaxpr(f)(x, dispatch.fast_only_gear((3,)))
+    general = jax.make_jaxpr(f)(x, jnp.zeros((3,), jnp.int32))
+    assert _conds(fast) == 0 and _conds(general) == 1
+    assert float(jax.core.eval_jaxpr(fast.jaxpr, fast.consts, x, np.zeros(3, np.uint8))[0]) == 8
+    out = jax.core.eval_jaxpr(general.jaxpr, general.consts, x, jnp.full((3,), 2, jnp.int32))
+    assert float(out[0]) == 64.0
