@@ -4,13 +4,16 @@ For every module: one jitted forward+backward (``value_and_grad`` w.r.t. paramet
 of the plain flax module, and one of the nan2safe site with its gear as a *traced* argument
 (how the train step runs it: ``lax.switch`` over its distinct paths, the default probe set
 ``Config().probes`` written). The site is timed in each gear from the same executable, and once
-more traced with no probe ("no-probe": the cost of the gear dispatch and FAST alone). Rounds are
+more traced with no probe ("no-probe": the cost of the gear dispatch and FAST alone), and once
+as the train step's FAST-only program runs it ("FAST-only": its gear ``fast_only_gear()``, no
+switch; what every all-FAST step of ``make_train_step`` runs, ``nan2safe_jax.programs``). Rounds are
 interleaved (every variant once per round, in turn) and the median per-call time is reported,
 so slow drifts of a shared machine hit all variants alike.
 
     python benchmarks/ops.py [--json out.json] [--rounds 15] [--dtype float32] [--forward]
 
-Target: FAST / flax <= 1.05 per module. Demo sizes: batch 8, seq 128, d_model 256, 4 heads.
+Target: FAST / flax <= 1.05 per module (for what a FAST train step runs: the FAST-only column).
+Demo sizes: batch 8, seq 128, d_model 256, 4 heads.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from flax import nnx
 
 from nan2safe_jax import nn, probe
 from nan2safe_jax.config import Config
+from nan2safe_jax.ops import dispatch
 
 B, T, D, H, FF, V, E, K = 8, 128, 256, 4, 1024, 256, 8, 2
 
@@ -113,7 +117,7 @@ def _step_fn(module, call, forward: bool, with_gear: bool):
     def loss(params, rest, x, gear):
         m = nnx.merge(graphdef, params, rest, copy=True)
         if with_gear:
-            m.gear[...] = gear
+            m.gear.set_value(gear)
         y = call(m, x)
         return jnp.sum(y.astype(jnp.float32)), nnx.state(m, nnx.Not(nnx.Param))
 
@@ -145,15 +149,19 @@ def table(result: dict) -> str:
         f"T={sh['seq']} D={sh['d_model']} H={sh['heads']}; median of {result['rounds']} "
         f"interleaved rounds; {result['backend']}"
     ]
+    only = all("fast_only_ratio" in r for r in result["rows"])  # not in JSONs of older runs
     hdr = (
         f"{'module':<20}{'flax us':>10}{'FAST us':>10}{'FAST x':>8}{'no-probe x':>12}"
-        f"{'STABLE x':>10}{'SAFE x':>8}{'compile flax/site s':>22}"
+        + (f"{'FAST-only x':>13}" if only else "")
+        + f"{'STABLE x':>10}{'SAFE x':>8}{'compile flax/site s':>22}"
     )
     lines += [hdr, "-" * len(hdr)]
     for r in result["rows"]:
         lines.append(
             f"{r['module']:<20}{r['flax_us']:>10.1f}{r['fast_us']:>10.1f}{r['fast_ratio']:>8.3f}"
-            f"{r['fast_noprobe_ratio']:>12.3f}{r['stable_ratio']:>10.3f}{r['safe_ratio']:>8.3f}"
+            f"{r['fast_noprobe_ratio']:>12.3f}"
+            + (f"{r['fast_only_ratio']:>13.3f}" if only else "")
+            + f"{r['stable_ratio']:>10.3f}{r['safe_ratio']:>8.3f}"
             f"{r['compile_flax_s']:>12.2f} / {r['compile_site_s']:<7.2f}"
         )
     lines.append(
@@ -162,6 +170,12 @@ def table(result: dict) -> str:
         "FAST traces the default probe set (Config().probes); no-probe: the same site with no "
         "probe traced."
     )
+    if only:
+        worst = max(r["fast_only_ratio"] for r in result["rows"])
+        lines.append(
+            f"worst FAST-only ratio: {worst:.3f} (the site as an all-FAST train step runs it: "
+            "no gear switch, default probes)."
+        )
     return "\n".join(lines)
 
 
@@ -187,15 +201,19 @@ def main(argv=None) -> dict:
             ("flax", plain, (None,)),
             ("site", site, (0, 1, 2)),
             ("noprobe", site, (0,)),
+            ("fastonly", site, (0,)),
         ):
             fn, p, r = _step_fn(module, call, args.forward, with_gear=label != "flax")
             t0 = time.perf_counter()
+            g_first = dispatch.fast_only_gear() if label == "fastonly" else g0
             with _probes(label) if label != "flax" else contextlib.nullcontext():
-                jax.block_until_ready(fn(p, r, x, g0))  # traces (and compiles) here
+                jax.block_until_ready(fn(p, r, x, g_first))  # traces (and compiles) here
             compile_s[(name, label)] = time.perf_counter() - t0
             for g in gears:
                 gear = jnp.int32(0 if g is None else g)
                 tag = "flax" if g is None else ("FAST", "STABLE", "SAFE")[g]
+                if label == "fastonly":
+                    gear, tag = dispatch.fast_only_gear(), "FAST-only"
                 key = (name, "FAST-noprobe" if label == "noprobe" else tag)
                 variants[key] = lambda fn=fn, p=p, r=r, x=x, gear=gear: fn(p, r, x, gear)
 
@@ -220,7 +238,7 @@ def main(argv=None) -> dict:
             "compile_flax_s": compile_s[(name, "flax")],
             "compile_site_s": compile_s[(name, "site")],
         }
-        for g in ("FAST", "STABLE", "SAFE", "FAST-noprobe"):
+        for g in ("FAST", "STABLE", "SAFE", "FAST-noprobe", "FAST-only"):
             k = g.lower().replace("-", "_")
             row[f"{k}_us"] = med[(name, g)] * 1e6
             row[f"{k}_ratio"] = med[(name, g)] / base
