@@ -44,3 +44,31 @@ class CompileCounter:
 def count_compiles():
     """``with count_compiles() as c: ...`` then ``c.count`` is the number of backend compiles."""
     return CompileCounter()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_program_unless_marked():
+    """``make_train_step`` builds one general program in this suite (``fast_program=False``):
+    a test that downshifts would otherwise compile the step twice, and ``make test`` must stay
+    under 10 minutes on 2 cores. Tests marked ``two_programs`` (``tests/test_programs.py``, the
+    Trainer's incident tests) run the default, both programs."""
+    from nan2safe_jax import train
+
+    defaults = train.make_train_step.__kwdefaults__
+    before = defaults["fast_program"]
+    defaults["fast_program"] = False
+    yield
+    defaults["fast_program"] = before
+
+
+@pytest.fixture(autouse=True)
+def _two_programs_when_marked(request):
+    if request.node.get_closest_marker("two_programs") is None:
+        yield
+        return
+    from nan2safe_jax import train
+
+    defaults = train.make_train_step.__kwdefaults__
+    defaults["fast_program"] = True
+    yield
+    defaults["fast_program"] = False

@@ -12,6 +12,8 @@ import nan2safe_jax as nan2safe
 from nan2safe_jax import Config, Gear, TrainState, make_train_step, programs
 from nan2safe_jax import gear as G
 
+pytestmark = pytest.mark.two_programs
+
 
 class SiteNet(nnx.Module):
     """``nan2safe.nn`` sites (each op a gear switch in the general program)."""

@@ -52,6 +52,7 @@ def test_clean_run_checkpoints_and_logs(tmp_path):
     assert int(tr.state.step) == 12
 
 
+@pytest.mark.two_programs
 def test_fault_is_located_put_in_safe_and_recovers(tmp_path):
     batches = _batches(30, bad={8: "constant_row", 9: "constant_row"})
     model, tx, loss, cfg = make_fragile()
@@ -107,6 +108,7 @@ def test_nan_in_the_data_is_reported_as_data(tmp_path):
     tr.close()
 
 
+@pytest.mark.two_programs
 def test_damaged_state_is_rolled_back_and_never_trained_on(tmp_path):
     with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run") as tr:
         batches = _batches(16)
@@ -385,6 +387,7 @@ class _AlwaysFragile(nnx.Module):
         return self.head(self.lin(h))
 
 
+@pytest.mark.two_programs
 def test_a_fault_that_repeats_in_safe_rolls_back_once_and_never_loops(tmp_path):
     x, y = data(12)
     batches = [(x[i].at[4].set(0.0) if i in (6, 7) else x[i], y[i]) for i in range(12)]
