@@ -108,7 +108,6 @@ def test_nan_in_the_data_is_reported_as_data(tmp_path):
     tr.close()
 
 
-@pytest.mark.two_programs
 def test_damaged_state_is_rolled_back_and_never_trained_on(tmp_path):
     with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run") as tr:
         batches = _batches(16)
