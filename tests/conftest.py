@@ -51,7 +51,8 @@ def _one_program_unless_marked():
     """``make_train_step`` builds one general program in this suite (``fast_program=False``):
     a test that downshifts would otherwise compile the step twice, and ``make test`` must stay
     under 10 minutes on 2 cores. Tests marked ``two_programs`` (``tests/test_programs.py``, the
-    Trainer's incident tests) run the default, both programs."""
+    Trainer's located-and-recovers test) run the default, both programs; ``make demo`` runs it
+    end to end."""
     from nan2safe_jax import train
 
     defaults = train.make_train_step.__kwdefaults__

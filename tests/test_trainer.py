@@ -386,7 +386,6 @@ class _AlwaysFragile(nnx.Module):
         return self.head(self.lin(h))
 
 
-@pytest.mark.two_programs
 def test_a_fault_that_repeats_in_safe_rolls_back_once_and_never_loops(tmp_path):
     x, y = data(12)
     batches = [(x[i].at[4].set(0.0) if i in (6, 7) else x[i], y[i]) for i in range(12)]
