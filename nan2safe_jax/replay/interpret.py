@@ -36,7 +36,8 @@ __all__ = ["MODES", "Ctx", "Stop", "first_step", "no_step", "preserves", "value_
 
 
 class Stop(Exception):  # noqa: N818 - control flow, not an error
-    """Raised by a capture walk once every target has been captured (the rest is not traced)."""
+    """Raised by a capture walk once every target has been captured, and by a flags walk at its
+    ``stop_at`` (the rest is not traced)."""
 
     def __init__(self, payload: dict[int, Any]):
         super().__init__()
@@ -90,9 +91,17 @@ class Ctx:
     """
 
     def __init__(
-        self, mode: str, targets: dict[int, Any] | None = None, known: dict[int, int] | None = None
+        self,
+        mode: str,
+        targets: dict[int, Any] | None = None,
+        known: dict[int, int] | None = None,
+        stop_at: int | None = None,
+        watch: dict[int, tuple[int, ...]] | None = None,
     ):
         self.mode = mode
+        self.stop_at = stop_at  # flags: stop (``Stop``) before this flat equation (a prefix)
+        self.watch = watch or {}  # flat index -> output positions whose values to keep
+        self.watched: dict[int, list] = {}
         self.targets = targets or {}  # capture: flat index -> traced step (or None)
         self.known = known or {}  # flat index of a cond -> its branch index (``branches.py``)
         self.payloads: dict[int, Any] = {}
@@ -102,7 +111,7 @@ class Ctx:
         self.steps: dict[int, Any] = {}  # flat index of an eagerly instrumented loop -> int32[3]
         self._memo: dict[int, tuple[Any, Ref]] = {}
         self._codes: Any = None
-        self._flags: tuple[Any, Any] | None = None
+        self._flags: dict[bool, tuple[Any, Any, Any]] = {}
         self.outputs: frozenset | None = None  # value indices the walk returned
 
     # -- codes ------------------------------------------------------------------------------
@@ -153,20 +162,27 @@ class Ctx:
     def record(self, in_ref: Ref | None, out_ref: Ref | None, kind: str = "eqn") -> None:
         self.recs.append((kind, in_ref, out_ref))
 
-    def finalize(self) -> tuple[Any, Any, Any]:
+    def finalize(self, observed_only: bool = False) -> tuple[Any, Any, Any]:
         """``(root, nan, literal)``: bool[count] flags of every flat equation of this walk.
 
         ``literal``: a non-finite output whose only non-finite inputs are literals or constants
         known at trace time (e.g. ``x + jnp.nan``). The per-equation maxima are O(#equations)
         gathers over the int8 codes.
+
+        ``observed_only``: a non-finite value is live only when an equation of this walk
+        observes it or it is in ``outputs`` (``_reaches``); with a walk stopped at a prefix
+        (``stop_at``) and ``outputs`` the program's results the prefix computed, these are
+        the flags that hold whatever the rest of the program does, while the default (nothing
+        masked when the walk did not return) flags every equation the rest could leave live.
         """
-        if self._flags is not None:
-            return self._flags
+        hit = self._flags.get(observed_only)
+        if hit is not None:
+            return hit
         m = len(self.recs)
         if m == 0:
             z = jnp.zeros((1,), bool)
-            self._flags = (z, z, z)
-            return self._flags
+            self._flags[observed_only] = (z, z, z)
+            return self._flags[observed_only]
         codes = self.codes()
         in_static = np.zeros(m, np.int8)
         out_static = np.zeros(m, np.int8)
@@ -195,7 +211,8 @@ class Ctx:
         cin = jnp.maximum(traced_in, jnp.asarray(in_static))
         traced_out = gather_max(outs_v, outs_k)
         cout = jnp.maximum(traced_out, jnp.asarray(out_static))
-        reaches = self._reaches(codes, (ins_v, ins_k, outs_v, outs_k), traced_out > 0)
+        edges = (ins_v, ins_k, outs_v, outs_k)
+        reaches = self._reaches(codes, edges, traced_out > 0, observed_only)
         root = (cout > 0) & (cin == 0) & live & reaches
         nan = (cout == 2) & (cin < 2) & live & reaches
         literal = (cout > 0) & (traced_in == 0) & jnp.asarray((in_static > 0) & live) & reaches
@@ -206,10 +223,10 @@ class Ctx:
             root = root.at[ks].set(hit[:, 0])
             nan = nan.at[ks].set(hit[:, 1])
             literal = literal.at[ks].set(hit[:, 2])
-        self._flags = (root, nan, literal)
-        return self._flags
+        self._flags[observed_only] = (root, nan, literal)
+        return self._flags[observed_only]
 
-    def _reaches(self, codes: Any, edges: tuple, bad_out: Any) -> Any:
+    def _reaches(self, codes: Any, edges: tuple, bad_out: Any, observed_only: bool = False) -> Any:
         """bool[#equations]: the equation's non-finite output is not *masked* (see below).
 
         A non-finite value is masked when it is read, and every equation that reads it is a
@@ -224,9 +241,15 @@ class Ctx:
         liveness one equation back along chains of non-finite values, so the rounds follow the
         longest masked chain, each O(#edges). Without a ``select_n`` / ``cond`` nothing can be
         masked and nothing is computed.
+
+        ``observed_only``: only the observed and the ``outputs`` values seed liveness (not the
+        unread ones, which a later equation may read and mask); a lower bound of the liveness
+        of any program this walk is a prefix of and whose results include ``outputs``.
         """
         m = len(self.recs)
-        if self.outputs is None or not any(r[0] == "mask" for r in self.recs):
+        if not observed_only and (
+            self.outputs is None or not any(r[0] == "mask" for r in self.recs)
+        ):
             return jnp.ones((m,), bool)
         nv = len(self.vals)
         ins_v, ins_k, outs_v, outs_k = edges  # of the equations ``finalize`` flags
@@ -243,7 +266,7 @@ class Ctx:
         dropped = sorted({v for r in self.recs if len(r) > 3 for v in r[3][1]})
         read[np.asarray(dropped, np.int64)] = True  # read by a known branch that drops them
         returned = np.zeros(nv, bool)
-        returned[np.asarray(sorted(self.outputs), np.int64)] = True
+        returned[np.asarray(sorted(self.outputs or ()), np.int64)] = True
         nonfin = codes > 0
 
         def eqn_any(per_value):  # per equation: any of its outputs
@@ -257,7 +280,8 @@ class Ctx:
             return jax.ops.segment_max(per_eqn[ins_k].astype(jnp.int8), ins_v, nv) > 0
 
         observes = jnp.asarray(given) | (jnp.asarray(has_out & ~mask) & ~bad_out)
-        base = nonfin & (jnp.asarray(returned | ~read) | value_any(observes))
+        seed = returned if observed_only else returned | ~read
+        base = nonfin & (jnp.asarray(seed) | value_any(observes))
 
         def grow(state):
             live, _ = state
@@ -336,6 +360,8 @@ def _walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: Ctx, ns: 
             outs = _walk(body, body_consts, invals, ctx, ens)
         else:
             k = ctx.count
+            if ctx.stop_at is not None and k >= ctx.stop_at:
+                raise Stop({})
             ctx.count += 1
             if k in ctx.known:  # a gear switch: XLA compiles only the taken branch
                 invals[0] = np.asarray(ctx.known[k], eqn.invars[0].aval.dtype)
@@ -351,6 +377,8 @@ def _walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: Ctx, ns: 
                 ctx.payloads[k] = [list(invals), list(outs)]
                 if len(ctx.payloads) == len(ctx.targets):
                     raise Stop(ctx.payloads)
+            if k in ctx.watch:
+                ctx.watched[k] = [outs[p] for p in ctx.watch[k]]
         for v, o in zip(eqn.outvars, outs, strict=True):
             env[v] = o
     return [read(a) for a in jaxpr.outvars]

@@ -1,20 +1,19 @@
 """Finds the equation that produced the first non-finite value of a program.
 
-Root cause: the first equation, in program order, whose output holds a non-finite value while all
-its inputs (operands, literals and constants) are finite. A ``-inf`` mask fill is therefore never
-blamed (its ``-inf`` operand is itself non-finite), an ``exp`` overflow is blamed rather than the
-``inf - inf`` after it, and a NaN hidden by ``jnp.where`` in the forward pass is found even when
-only the gradient shows it. When no equation turns finite inputs into a non-finite value, the
-first equation that turns NaN-free inputs into NaN is named (e.g. ``-inf - -inf`` on a fully
-masked row); when not even that exists, the literal or constant that carried the non-finite value
-in is named.
+Root cause: the first equation, in program order, that either turns finite inputs (operands,
+literals and constants) into a non-finite value (a *root*) or turns NaN-free inputs into NaN (a
+*nan* equation: ``-inf - -inf`` on a fully masked row, after a ``-inf`` fill). A ``-inf`` mask
+fill is therefore never blamed (its ``-inf`` operand is itself non-finite), an ``exp`` overflow
+is blamed rather than the ``inf - inf`` after it (the overflow comes first), and a NaN hidden by
+``jnp.where`` in the forward pass is found even when only the gradient shows it. When neither
+exists, the literal or constant that carried the non-finite value in is named.
 
 How: ``search.py`` (one flags replay and one capture replay per nesting level, see there), the
 interpreter in ``interpret.py``, one rule per higher-order primitive in ``rules.py``, compiled
-replays cached in ``cache.py``. ``locate_step`` also checks that the replay reproduces the
-production step's non-finite outputs before it names anything.
+replays cached in ``cache.py``; at the top level of a train step the forward prefix is replayed
+first and decides when it can (``prefix.py``). ``locate_step`` also checks that the replay
+reproduces the production step's non-finite outputs before it names anything.
 """
-
 from __future__ import annotations
 
 import os
@@ -37,7 +36,7 @@ from nan2safe_jax.replay.report import (
     diagnose,
     direction_of,
 )
-from nan2safe_jax.replay.search import Found, Session, search
+from nan2safe_jax.replay.search import Found, Session, first_flagged, search
 from nan2safe_jax.site import site_from_name_stack
 
 __all__ = ["locate", "locate_step"]
@@ -102,9 +101,9 @@ def locate(jaxpr: Any, args: Any) -> Report | None:
       None when no equation produces a non-finite value from finite inputs and no argument is
       non-finite; else a ``Report``. An argument that is already non-finite gives a report with
       ``diagnosis == "polluted input"``, ``primitive=None`` and the argument's ``keystr`` path.
-      When no equation turns finite inputs into a non-finite value but some equation turns NaN-free
-      inputs into NaN (e.g. ``-inf - -inf`` after a ``-inf`` mask on a fully masked row), that
-      equation is reported.
+      An equation that turns NaN-free inputs into NaN (e.g. ``-inf - -inf`` after a ``-inf``
+      mask on a fully masked row) is reported when it comes before every equation that turns
+      finite inputs into a non-finite value.
 
     Raises:
       ValueError: if ``args`` does not have one leaf per input of ``jaxpr``.
@@ -125,13 +124,25 @@ def _leaves(jaxpr: Any, args: Any) -> list:
 
 
 def _run(
-    jaxpr: Any, args: Any, expected: np.ndarray | None = None, stats: bool = False
+    jaxpr: Any,
+    args: Any,
+    expected: np.ndarray | None = None,
+    stats: bool = False,
+    prefix: bool = True,
 ) -> tuple[Report | None, Session]:
-    """``locate``; with ``expected`` (the production outputs' codes) also the fidelity check."""
+    """``locate``; with ``expected`` (the production outputs' codes) also the fidelity check.
+
+    ``prefix=False``: never decide from the forward prefix (``prefix.py``); the reference."""
     t0 = time.perf_counter()
     leaves_with_path = _leaves(jaxpr, args)
-    sess = Session(jaxpr, stats=stats)
+    sess = Session(jaxpr, stats=stats, prefix=prefix)
     return _locate(sess, jaxpr, leaves_with_path, t0, expected), sess
+
+
+def _run_full(jaxpr: Any, args: Any, expected: np.ndarray | None = None):
+    """``_run`` with the whole step's flags replay only (the reference ``prefix.py`` is
+    checked against)."""
+    return _run(jaxpr, args, expected, prefix=False)
 
 
 def _polluted(sess: Session, leaves_with_path: list, i: int, t0: float) -> Report:
@@ -158,15 +169,18 @@ def _polluted(sess: Session, leaves_with_path: list, i: int, t0: float) -> Repor
     )
 
 
-def _mismatch(expected: np.ndarray, got: np.ndarray) -> str | None:
-    """Why the replay's output codes differ from the production step's, or None if they agree."""
+def _mismatch(expected: np.ndarray, got: np.ndarray, index: np.ndarray | None = None) -> str | None:
+    """Why the replay's output codes differ from the production step's, or None if they agree.
+
+    ``index``: the outputs ``expected`` and ``got`` stand for (all of them when None)."""
     bad = np.nonzero(np.asarray(expected) != np.asarray(got))[0]
     if not len(bad):
         return None
-    i = int(bad[0])
+    i = int(bad[0]) if index is None else int(np.asarray(index)[bad[0]])
+    bad_i = int(bad[0])
     return (
         f"the replay does not reproduce the production step: output {i} is "
-        f"{_CODE_NAMES[int(got[i])]} in the replay but {_CODE_NAMES[int(expected[i])]} in "
+        f"{_CODE_NAMES[int(got[bad_i])]} in the replay but {_CODE_NAMES[int(expected[bad_i])]} in "
         f"production ({len(bad)} of {len(expected)} outputs differ)"
     )
 
@@ -181,29 +195,32 @@ def _locate(
     top_jaxpr, consts = jc.open_jaxpr(jaxpr)
     leaves = [leaf for _, leaf in leaves_with_path]
     ns = jc.empty_name_stack()
-    fl = sess.flags("top", top_jaxpr, list(consts), leaves, ns, top=True)
+    fl = sess.top_flags(top_jaxpr, list(consts), leaves, ns)
 
     if fl.in_codes is not None and fl.in_codes.any():
         return _polluted(sess, leaves_with_path, int(np.nonzero(fl.in_codes)[0][0]), t0)
+    why = None
     if expected is not None and fl.out_codes is not None:
         why = _mismatch(expected, fl.out_codes)
-        if why is not None:
-            return Report.no_equation(
-                kind=None,
-                inputs=[],
-                channels={},
-                diagnosis=NOT_REPRODUCIBLE,
-                explanation=why,
-                reason=why,
-                replays=sess.replays,
-                seconds=time.perf_counter() - t0,
-                reproducible=False,
-            )
+    elif expected is not None and fl.prefix_outs is not None:  # the outputs the prefix computed
+        idx, got = fl.prefix_outs
+        why = _mismatch(np.asarray(expected)[idx], got, idx)
+    if why is not None:
+        return Report.no_equation(
+            kind=None,
+            inputs=[],
+            channels={},
+            diagnosis=NOT_REPRODUCIBLE,
+            explanation=why,
+            reason=why,
+            replays=sess.replays,
+            seconds=time.perf_counter() - t0,
+            reproducible=False,
+        )
 
-    if fl.root.any():
-        mode = "root"
-    elif fl.nan.any():
-        mode = "nan"
+    first = first_flagged(fl)
+    if first is not None:
+        mode = first[1]
     elif fl.literal.any() and fl.out_codes is not None and fl.out_codes.any():
         mode = "literal"  # non-finite outputs that no equation made: a literal carried them in
     else:

@@ -11,6 +11,9 @@ a loop condition evaluation, a taken ``cond`` branch, one shard of a ``shard_map
    the first flagged step (iteration, condition evaluation, branch, shard); a *step capture*
    replay returns that step's body inputs, which are the next level.
 
+At the top level of a train step the flags replay first covers only the forward prefix, and
+decides from it when the whole step could not flag anything earlier (``prefix.py``).
+
 Each replay is one compiled program over the level's own values, so memory follows the step's live
 set; the flags replay's outputs are O(#equations). Bodies of higher-order equations are
 instrumented only when entered, so a flags replay reduces only its own level's values (a train
@@ -31,6 +34,7 @@ import numpy as np
 
 from nan2safe_jax.replay import _jax_compat as jc
 from nan2safe_jax.replay import branches, cache, interpret, rules
+from nan2safe_jax.replay import prefix as prefix_lib
 
 __all__ = ["Flags", "Found", "Item", "Session", "flatten", "search"]
 
@@ -80,6 +84,19 @@ class Flags:
     steps: dict[int, list[int]]  # flat index of an eagerly instrumented loop -> first steps [3]
     in_codes: np.ndarray | None  # int8[n_args] codes of the arguments (top level only)
     out_codes: np.ndarray | None  # int8[n_outs] codes of the outputs (top level only)
+    # decided from the forward prefix (``prefix.py``): (output indices, their codes) of the
+    # outputs the prefix computes; ``out_codes`` is None then
+    prefix_outs: tuple[np.ndarray, np.ndarray] | None = None
+
+
+def first_flagged(fl: Flags) -> tuple[int, str] | None:
+    """``(flat index, "root" | "nan")`` of the first equation flagged root or nan, in program
+    order: the culprit ``locate`` searches for (a root when it is both)."""
+    either = np.asarray(fl.root, bool) | np.asarray(fl.nan, bool)
+    if not either.any():
+        return None
+    k = int(np.argmax(either))
+    return k, "root" if fl.root[k] else "nan"
 
 
 @dataclasses.dataclass
@@ -115,9 +132,12 @@ class Session:
     Args:
       top: the program being located (its structure keys the compiled-replay cache).
       stats: also record XLA's memory analysis of every compiled replay in ``self.stats``.
+      prefix: try the forward prefix first at the top level (``prefix.py``).
     """
 
-    def __init__(self, top: Any, stats: bool = False) -> None:
+    def __init__(self, top: Any, stats: bool = False, prefix: bool = True) -> None:
+        self.prefix = prefix
+        self.prefix_decided = False
         self.replays = 0
         self.compiles = 0
         self.stats: list[dict[str, Any]] = [] if stats else None  # type: ignore[assignment]
@@ -211,6 +231,82 @@ class Session:
         )
         self._flags[level] = out
         return out
+
+    def top_flags(self, jaxpr: Any, consts: list, args: list, ns: Any) -> Flags:
+        """The top level's flags: from its forward prefix when that decides the culprit
+        (``prefix.py``; the flags then hold only the decided equations), else from the flags
+        replay of the whole level."""
+        cached = self._flags.get("top")
+        if cached is not None:
+            return cached
+        items = flatten(jaxpr, ns)
+        stop = prefix_lib.boundary([str(it.name_stack) for it in items]) if self.prefix else None
+        if stop is not None:
+            fl = self._prefix_flags(jaxpr, consts, args, ns, stop, len(items))
+            if fl is not None:
+                self._flags["top"] = fl
+                self.prefix_decided = True
+                return fl
+        return self.flags("top", jaxpr, consts, args, ns, top=True)
+
+    def _prefix_flags(
+        self, jaxpr: Any, consts: list, args: list, ns: Any, stop: int, n: int
+    ) -> Flags | None:
+        known = self.known("top", jaxpr, consts, args, ns)
+        outs = prefix_lib.producers(jaxpr)
+        watch = prefix_lib.watch(outs, stop)
+
+        def fn(consts, args):
+            ctx = interpret.Ctx("flags", known=known, stop_at=stop, watch=watch)
+            for a in args:  # registered first, as in the whole level's replay
+                ctx.ref(a)
+            try:
+                interpret.walk(jaxpr, consts, args, ctx, ns)
+            except interpret.Stop:
+                pass
+            upper = ctx.finalize()  # the walk did not return: nothing masked
+            # What the step returns is live whatever the rest does; so is what the prefix
+            # observes.
+            ctx.outputs = frozenset().union(
+                *(ctx.ref(x)[1] for xs in ctx.watched.values() for x in xs)
+            )
+            lower = ctx.finalize(observed_only=True)
+            steps = {k: jnp.asarray(v, jnp.int32) for k, v in ctx.steps.items()}
+
+            def codes(xs):
+                if not xs:
+                    return jnp.zeros((0,), jnp.int8)
+                return jnp.stack([ctx.code_of(ctx.ref(x)) for x in xs])
+
+            watched = {k: codes(v) for k, v in ctx.watched.items()}
+            return upper, lower, steps, codes(list(args)), watched
+
+        key = ("prefix", stop, tuple(sorted(known.items())), tuple(sorted(watch.items())))
+        upper, lower, steps, in_codes, watched = self.call(key, fn, list(consts), list(args))
+        upper = [np.asarray(x)[:stop] for x in upper]
+        lower = [np.asarray(x)[:stop] for x in lower]
+        decided = prefix_lib.decide(upper[:2], lower[:2])
+        in_codes = np.asarray(in_codes)
+        if decided is None and not in_codes.any():
+            return None
+        root, nan, literal = (np.zeros(n, bool) for _ in range(3))
+        if decided is not None:
+            k, mode = decided
+            (root if mode == "root" else nan)[k] = True
+            kn = prefix_lib.first_nan(upper[1], lower[1])
+            if kn is not None:
+                nan[kn] = True
+        idx, got = [], []
+        for i, src in enumerate(outs):
+            if src is not None and src[0] in watched:
+                idx.append(i)
+                got.append(int(np.asarray(watched[src[0]])[watch[src[0]].index(src[1])]))
+        return Flags(
+            root, nan, literal,
+            {k: [int(x) for x in np.asarray(v)] for k, v in steps.items()},
+            in_codes, None,
+            (np.asarray(idx, np.int64), np.asarray(got, np.int8)),
+        )  # fmt: skip
 
     def capture(
         self,
