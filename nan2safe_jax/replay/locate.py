@@ -14,6 +14,7 @@ replays cached in ``cache.py``; at the top level of a train step the forward pre
 first and decides when it can (``prefix.py``). ``locate_step`` also checks that the replay
 reproduces the production step's non-finite outputs before it names anything.
 """
+
 from __future__ import annotations
 
 import os
