@@ -7,8 +7,9 @@ a scale ladder of ``examples/transformer.py``'s model, built from ``nan2safe.nn`
 trained by ``nan2safe.make_train_step`` (the Trainer's real step; at FAST, its FAST-only
 program): ``tiny``, ``demo`` (2 layers,
 d_model 128, seq 64, batch 8), ``4x256`` (4 layers, d_model 256, seq 128, batch 8) and ``gpt2s``
-(12 layers, d_model 768, 12 heads, seq 256, batch 2), each unrolled and with ``scan_layers``; two
-faults, each a fault a stock flax model has, written in the example model's own code:
+(12 layers, d_model 768, 12 heads, seq 256, batch 2), each unrolled, with ``scan_layers`` and
+with ``remat`` (``nnx.remat`` around each block); two faults, each a fault a stock flax model
+has, written in the example model's own code:
 ``masked_row`` (f32; the model's hand-written attention, ``attention="user"``, fills masked
 logits with ``-inf``; a left-padded row under a key-padding + causal mask has a fully masked
 attention row: ``-inf - -inf``; the culprit is user code, in no site) and ``fp16_logits`` (fp16,
@@ -41,7 +42,7 @@ with the flag on: compile, run, de-optimized re-run) and warm, with what each na
 a second incident on the same step, traced afresh (as the trainer does) and located again. Also
 whether ``jax_debug_nans`` notices anything when switched on only after the step was compiled.
 
-Usage: ``python benchmarks/locate.py [--rungs demo,4x256] [--layouts unrolled,scan]
+Usage: ``python benchmarks/locate.py [--rungs demo,4x256] [--layouts unrolled,scan,remat]
 [--faults masked_row,fp16_logits] [--json PATH] [--merge]``, ``--suite faults [--quick]``,
 ``--markdown``.
 """
@@ -280,7 +281,7 @@ RUNGS = {
     "4x256": dict(num_layers=4, d_model=256, num_heads=4, seq_len=128, batch=8),
     "gpt2s": dict(num_layers=12, d_model=768, num_heads=12, seq_len=256, batch=2),
 }
-LAYOUTS = ("unrolled", "scan")
+LAYOUTS = ("unrolled", "scan", "remat")
 LADDER_FAULTS = {
     # a left-padded batch under a key-padding + causal mask: a fully masked row in the model's
     # hand-written attention (-inf fill): -inf - -inf, in user code (no site)
@@ -338,6 +339,7 @@ def build_ladder(rung: str, layout: str, fault: str):
         param_dtype=jnp.float32,
         pad_mask="keys",
         scan_layers=layout == "scan",
+        remat=layout == "remat",
         layers="nan2safe",
         attention="mha" if fp16 else "user",
         attn_dropout=0.1 if fp16 else 0.0,

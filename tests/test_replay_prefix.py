@@ -169,3 +169,50 @@ def test_the_fidelity_check_compares_the_outputs_the_prefix_computed():
     r, sess = _run(closed, (w, x), bad)
     assert sess.prefix_decided and not r.reproducible and r.primitive is None
     assert "output 1 is nan in the replay but finite in production" in r.reason
+
+
+# ------------------------------------------------------------------------------ scan bodies
+
+
+def _scan_step(body_extra=None):
+    def layer(h, w):
+        h = jnp.tanh(h @ w)
+        if body_extra is not None:
+            h = body_extra(h)
+        return jnp.log(h + 1.0), None  # tanh saturates to -1 in layer 2 only: log(0)
+
+    def loss(ws, x):
+        h, _ = jax.lax.scan(layer, x, ws)
+        return h.sum()
+
+    return _step(loss)
+
+
+def _scan_args():
+    ws = jnp.stack([jnp.eye(3) * 0.5, jnp.eye(3) * 0.5, -jnp.eye(3) * 1e3, jnp.eye(3)])
+    return ws, jnp.ones((2, 3))
+
+
+def test_a_scan_body_is_entered_through_one_capture_with_the_flags_its_loop_replay_computed():
+    (r, sess), (ref, _) = _both(_scan_step(), *_scan_args())
+    _same(r, ref)
+    assert r.primitive == "log" and ("iter", 2) in r.eqn_path
+    # The culprit: the forward prefix's flags; the body inputs of iteration 2 (one capture
+    # replay); the capture of the log in it; no flags replay of iteration 2's level. The
+    # reference: the step's flags, the scan's capture, the step capture, iteration 2's flags,
+    # the log's capture. Then each looks for the first NaN (``-inf * 0`` in iteration 3's
+    # matmul) in three more replays.
+    assert (r.replays, ref.replays) == (3 + 3, 5 + 3)
+    assert r.first_nan is not None and ("iter", 3) in r.first_nan.eqn_path
+
+
+def test_a_body_with_a_branch_gets_its_own_flags_replay():
+    """A ``cond`` in the body: its level's replay binds known branch indices, which the loop's
+    replay cannot, so the body's flags are not reused."""
+
+    def branchy(h):
+        return jax.lax.cond(jnp.sum(h) > 1e9, lambda a: a * 2.0, lambda a: a, h)
+
+    (r, sess), (ref, _) = _both(_scan_step(branchy), *_scan_args())
+    _same(r, ref)
+    assert r.primitive == "log" and r.replays == ref.replays - 1  # one capture replay saved

@@ -102,13 +102,17 @@ class Ctx:
         self.stop_at = stop_at  # flags: stop (``Stop``) before this flat equation (a prefix)
         self.watch = watch or {}  # flat index -> output positions whose values to keep
         self.watched: dict[int, list] = {}
-        self.targets = targets or {}  # capture: flat index -> traced step (or None)
+        # capture: flat index -> None (capture its inputs and outputs), or a function of its
+        # inputs whose result is captured instead of binding the equation
+        self.targets = targets or {}
         self.known = known or {}  # flat index of a cond -> its branch index (``branches.py``)
         self.payloads: dict[int, Any] = {}
         self.count = 0
         self.vals: list[Any] = []
         self.recs: list[tuple] = []
         self.steps: dict[int, Any] = {}  # flat index of an eagerly instrumented loop -> int32[3]
+        # flat index of a scan with a plain body -> (first flagged iteration, its body's flags)
+        self.bodies: dict[int, Any] = {}
         self._memo: dict[int, tuple[Any, Ref]] = {}
         self._codes: Any = None
         self._flags: dict[bool, tuple[Any, Any, Any]] = {}
@@ -365,9 +369,16 @@ def _walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: Ctx, ns: 
             ctx.count += 1
             if k in ctx.known:  # a gear switch: XLA compiles only the taken branch
                 invals[0] = np.asarray(ctx.known[k], eqn.invars[0].aval.dtype)
+            into = ctx.targets.get(k) if ctx.mode == "capture" else None
+            if into is not None:
+                ctx.payloads[k] = into(invals)
+                if len(ctx.payloads) == len(ctx.targets):
+                    raise Stop(ctx.payloads)
             if ctx.mode == "flags" and rule is not None and rule.eager:
-                outs, steps = rule.flags(eqn, invals, ens)
+                outs, steps, *body = rule.flags(eqn, invals, ens)
                 ctx.steps[k] = steps
+                if body and body[0] is not None:
+                    ctx.bodies[k] = body[0]
                 ctx.recs.append(("given", steps >= 0, ctx.union(invals)))
             elif ctx.mode == "flags":
                 outs = _flags_eqn(eqn, invals, ens, ctx, ctx.known.get(k))

@@ -133,16 +133,17 @@ def _run(
 ) -> tuple[Report | None, Session]:
     """``locate``; with ``expected`` (the production outputs' codes) also the fidelity check.
 
-    ``prefix=False``: never decide from the forward prefix (``prefix.py``); the reference."""
+    ``prefix=False``: the reference search: never decide from the forward prefix
+    (``prefix.py``), and give every level its own flags replay (``Session.seed``)."""
     t0 = time.perf_counter()
     leaves_with_path = _leaves(jaxpr, args)
-    sess = Session(jaxpr, stats=stats, prefix=prefix)
+    sess = Session(jaxpr, stats=stats, prefix=prefix, bodies=prefix)
     return _locate(sess, jaxpr, leaves_with_path, t0, expected), sess
 
 
 def _run_full(jaxpr: Any, args: Any, expected: np.ndarray | None = None):
-    """``_run`` with the whole step's flags replay only (the reference ``prefix.py`` is
-    checked against)."""
+    """``_run`` with the whole step's flags replay and every level's own (the reference
+    ``prefix.py`` and ``Session.seed`` are checked against)."""
     return _run(jaxpr, args, expected, prefix=False)
 
 
@@ -228,7 +229,7 @@ def _locate(
         return None
     if mode == "root" and fl.nan.any():  # one replay captures both top-level culprits
         kr, kn = int(np.argmax(fl.root)), int(np.argmax(fl.nan))
-        if kr != kn:
+        if kr != kn and kr not in fl.steps and kn not in fl.steps:  # (a loop: capture_into)
             sess.capture("top", top_jaxpr, list(consts), leaves, ns, [kr, kn])
     found = search(sess, "top", top_jaxpr, list(consts), leaves, ns, (), mode, top=True)
     if found is None:  # pragma: no cover - flags and capture replays disagreed

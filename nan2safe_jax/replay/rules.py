@@ -100,26 +100,65 @@ def _scan_split(eqn: Any, invals: list) -> tuple[dict, list, list, list]:
     return sp, invals[:nc], init, invals[nc + ncar :]
 
 
-def _scan_flags(eqn: Any, invals: list, ns: Any) -> tuple[list, Any]:
+def _plain_body(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` (call-like equations inlined) holds no loop, branch or map: its flags
+    replay as a level of its own computes exactly what its walk inside the loop computes (no
+    branch index to know, no nested loop's steps)."""
+    for eqn in jaxpr.eqns:
+        rule = rule_for(eqn)
+        if rule is not None and rule.kind == "call":
+            if not _plain_body(rule.body(eqn)[0]):
+                return False
+        elif rule is not None:
+            return False
+    return True
+
+
+def _flat_count(jaxpr: Any) -> int:
+    """The number of flat equations of ``jaxpr`` (call-like equations inlined)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        rule = rule_for(eqn)
+        n += _flat_count(rule.body(eqn)[0]) if rule is not None and rule.kind == "call" else 1
+    return n
+
+
+def _scan_flags(eqn: Any, invals: list, ns: Any) -> tuple[list, Any, Any]:
+    """The scan with its body instrumented: ``(outputs, first flagged steps, body)``.
+
+    ``body``: for a plain body (``_plain_body``), ``(t, root, nan, literal)``: the body's own
+    flags at ``t``, the first iteration that flags anything (-1: none), so the search enters
+    that iteration without a flags replay of its own (``Session.body_flags``); else None.
+    """
     sp, consts, init, xs = _scan_split(eqn, invals)
     ncar, length = sp["num_carry"], sp["length"]
+    plain = _plain_body(sp["jaxpr"])
 
     def body(carry, x):
-        i, first, c = carry
+        i, first, c, kept = carry
         sub = it.Ctx("flags")
         outs = it.walk(sp["jaxpr"], sp["consts"], [*consts, *c, *x], sub, ns)
         t = (length - 1 - i) if sp["reverse"] else i  # index along the scanned axis
-        return (i + 1, it.first_step(first, sub.any_flags(), t), outs[:ncar]), outs[ncar:]
+        hit = sub.any_flags()
+        if plain:
+            take = (kept[0] < 0) & jnp.any(hit)
+            now = (t, *sub.finalize())
+            kept = tuple(jnp.where(take, a, b) for a, b in zip(now, kept, strict=True))
+        return (i + 1, it.first_step(first, hit, t), outs[:ncar], kept), outs[ncar:]
 
-    (_, first, c), ys = lax.scan(
+    kept0: tuple = (jnp.asarray(-1, jnp.int32),)
+    if plain:  # one flag per flat equation of the body (``Ctx.finalize``), at least one
+        m = max(_flat_count(sp["jaxpr"]), 1)
+        kept0 = (jnp.asarray(-1, jnp.int32), *(jnp.zeros(m, bool) for _ in range(3)))
+    (_, first, c, kept), ys = lax.scan(
         body,
-        (jnp.asarray(0, jnp.int32), it.no_step(), list(init)),
+        (jnp.asarray(0, jnp.int32), it.no_step(), list(init), kept0),
         list(xs),
         length=length,
         reverse=sp["reverse"],
         unroll=sp["unroll"],
     )
-    return [*c, *ys], first
+    return [*c, *ys], first, (kept if plain else None)
 
 
 def _scan_capture(eqn: Any, invals: list, ns: Any, t: Any) -> list:

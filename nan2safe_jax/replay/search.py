@@ -87,6 +87,15 @@ class Flags:
     # decided from the forward prefix (``prefix.py``): (output indices, their codes) of the
     # outputs the prefix computes; ``out_codes`` is None then
     prefix_outs: tuple[np.ndarray, np.ndarray] | None = None
+    # flat index of a scan with a plain body -> (first flagged iteration, its body's root, nan,
+    # literal flags): the flags replay of that iteration's level, computed in this one
+    bodies: dict[int, tuple] = dataclasses.field(default_factory=dict)
+
+
+def _host_bodies(bodies: dict) -> dict[int, tuple]:
+    return {
+        int(k): (int(np.asarray(v[0])), *(np.asarray(a) for a in v[1:])) for k, v in bodies.items()
+    }
 
 
 def first_flagged(fl: Flags) -> tuple[int, str] | None:
@@ -133,10 +142,16 @@ class Session:
       top: the program being located (its structure keys the compiled-replay cache).
       stats: also record XLA's memory analysis of every compiled replay in ``self.stats``.
       prefix: try the forward prefix first at the top level (``prefix.py``).
+      bodies: enter a loop whose steps the level's flags replay found through one capture
+        replay (``capture_into``), and a scan's plain body with the flags that replay computed
+        (``seed``) instead of a flags replay of its own.
     """
 
-    def __init__(self, top: Any, stats: bool = False, prefix: bool = True) -> None:
+    def __init__(
+        self, top: Any, stats: bool = False, prefix: bool = True, bodies: bool = True
+    ) -> None:
         self.prefix = prefix
+        self.bodies = bodies
         self.prefix_decided = False
         self.replays = 0
         self.compiles = 0
@@ -204,6 +219,7 @@ class Session:
             outs = interpret.walk(jaxpr, consts, args, ctx, ns)
             root, nan, literal = ctx.finalize()
             steps = {k: jnp.asarray(v, jnp.int32) for k, v in ctx.steps.items()}
+            steps = (steps, dict(ctx.bodies))
             codes = None
             if top:
 
@@ -220,7 +236,7 @@ class Session:
             fn, list(consts), list(args),
             shard=shard, stacked=(False, True),
         )  # fmt: skip
-        root, nan, literal, steps, codes = _pick(res, shard)
+        root, nan, literal, (steps, bodies), codes = _pick(res, shard)
         out = Flags(
             np.asarray(root),
             np.asarray(nan),
@@ -228,9 +244,16 @@ class Session:
             {k: [int(x) for x in np.asarray(v)] for k, v in steps.items()},
             None if codes is None else np.asarray(codes[0]),
             None if codes is None else np.asarray(codes[1]),
+            bodies=_host_bodies(bodies),
         )
         self._flags[level] = out
         return out
+
+    def seed(self, level: Any, flags: Flags) -> None:
+        """The flags of ``level``, computed by an enclosing replay (a scan's plain body at its
+        first flagged iteration): no flags replay of its own."""
+        if self.bodies:
+            self._flags.setdefault(level, flags)
 
     def top_flags(self, jaxpr: Any, consts: list, args: list, ns: Any) -> Flags:
         """The top level's flags: from its forward prefix when that decides the culprit
@@ -279,10 +302,12 @@ class Session:
                 return jnp.stack([ctx.code_of(ctx.ref(x)) for x in xs])
 
             watched = {k: codes(v) for k, v in ctx.watched.items()}
-            return upper, lower, steps, codes(list(args)), watched
+            return upper, lower, (steps, dict(ctx.bodies)), codes(list(args)), watched
 
         key = ("prefix", stop, tuple(sorted(known.items())), tuple(sorted(watch.items())))
-        upper, lower, steps, in_codes, watched = self.call(key, fn, list(consts), list(args))
+        upper, lower, (steps, bodies), in_codes, watched = self.call(
+            key, fn, list(consts), list(args)
+        )
         upper = [np.asarray(x)[:stop] for x in upper]
         lower = [np.asarray(x)[:stop] for x in lower]
         decided = prefix_lib.decide(upper[:2], lower[:2])
@@ -306,6 +331,7 @@ class Session:
             {k: [int(x) for x in np.asarray(v)] for k, v in steps.items()},
             in_codes, None,
             (np.asarray(idx, np.int64), np.asarray(got, np.int8)),
+            _host_bodies(bodies),
         )  # fmt: skip
 
     def capture(
@@ -340,6 +366,34 @@ class Session:
                 self._captured[(level, k)] = payload
         return {k: self._captured[(level, k)] for k in ks}
 
+    def capture_into(
+        self,
+        level: Any,
+        jaxpr: Any,
+        consts: list,
+        args: list,
+        ns: Any,
+        k: int,
+        item: Item,
+        step: int,
+    ) -> list:
+        """The body inputs of step ``step`` of loop equation ``k`` of a level, in one replay:
+        the level up to ``k``, then the loop up to that step (``step_capture`` without the
+        capture of ``k``'s own inputs and outputs; the step is an argument, one compile)."""
+        known = self.known(level, jaxpr, consts, args, ns)
+
+        def fn(consts, args, step):
+            into = lambda invals: item.rule.capture(item.eqn, invals, item.name_stack, step)  # noqa: E731
+            ctx = interpret.Ctx("capture", {k: into}, known)
+            try:
+                interpret.walk(jaxpr, consts, args, ctx, ns)
+            except interpret.Stop as stop:
+                return stop.payload[k]
+            raise RuntimeError(f"replay: flat equation {k} not reached")  # pragma: no cover
+
+        key = ("capture_into", _structure(level), k, tuple(sorted(known.items())))
+        return list(self.call(key, fn, list(consts), list(args), np.int32(step)))
+
     def step_flags(
         self, level: Any, k: int, item: Item, invals: list, shard: Any = None
     ) -> list[int]:
@@ -364,6 +418,17 @@ class Session:
         key = ("step_capture", _structure(level), k)
         out = self.call(key, fn, list(invals), np.int32(step), shard=shard, stacked=(True, False))
         return list(out)
+
+
+def _first_step(steps: Sequence[int], mode: str) -> tuple[int, tuple[str, ...]]:
+    """``(step, (sub mode,))`` to enter a loop flagged in ``mode``: its first step flagged in
+    ``mode`` or, when none, in a later mode (a root equation whose body makes NaN from a -inf
+    mask literal: nan; or whose body only combines finite values with a non-finite literal:
+    literal); ``(-1, ())`` when no step is flagged at all."""
+    for m in interpret.MODES[interpret.MODES.index(mode) :]:
+        if steps[interpret.MODES.index(m)] >= 0:
+            return steps[interpret.MODES.index(m)], (m,)
+    return -1, ()
 
 
 def search(
@@ -395,33 +460,47 @@ def search(
         k = int(k)
         item = items[k]
         path = (*base, *item.path)
-        invals, outvals = sess.capture(level, jaxpr, consts, args, ns, [k], shard)[k]
-        mine = _pick((list(invals), list(outvals)), shard)
-        if item.rule is None:
-            return Found(item, path, *mine, mode, shard=shard)
-        sub_shard = shard
-        if item.rule.pick is not None:  # the step is known from the operands (a branch index)
-            step = item.rule.pick(item.eqn, mine[0])
-            captured = item.rule.capture(item.eqn, list(invals), item.name_stack, step)
-            sub_modes = interpret.MODES[interpret.MODES.index(mode) :]
+        step, sub_modes = -1, ()
+        direct = (  # a loop whose flagged steps the flags replay found: one capture replay
+            item.rule is not None
+            and item.rule.pick is None
+            and item.rule.context is None
+            and k in fl.steps
+            and shard is None
+            and sess.bodies
+        )
+        if direct:
+            step, sub_modes = _first_step(fl.steps[k], mode)
+            direct = step >= 0
+        if direct:
+            captured = sess.capture_into(level, jaxpr, consts, args, ns, k, item, step)
+            sub_shard, mine = None, None
         else:
-            steps = fl.steps[k] if k in fl.steps else sess.step_flags(level, k, item, invals, shard)
-            # The equation is flagged in ``mode``; its body may hold the culprit under a later
-            # mode only: a root equation whose body makes NaN from a -inf mask literal (nan), or
-            # whose body only combines finite values with a non-finite literal (literal).
-            step, sub_modes = -1, ()
-            for m in interpret.MODES[interpret.MODES.index(mode) :]:
-                if steps[interpret.MODES.index(m)] >= 0:
-                    step, sub_modes = steps[interpret.MODES.index(m)], (m,)
-                    break
-            if step < 0:  # not even a literal: an output of the body is a non-finite literal
-                return Found(item, path, *mine, mode, constant=True, shard=shard)
-            if item.rule.context is not None:
-                if shard is not None:  # pragma: no cover - nested shard_map bodies
-                    return Found(item, path, *mine, mode, shard=shard)
-                sub_shard = item.rule.context(item.eqn, step)
-            captured = sess.step_capture(level, k, item, invals, step, shard)
+            invals, outvals = sess.capture(level, jaxpr, consts, args, ns, [k], shard)[k]
+            mine = _pick((list(invals), list(outvals)), shard)
+            if item.rule is None:
+                return Found(item, path, *mine, mode, shard=shard)
+            sub_shard = shard
+            if item.rule.pick is not None:  # the step is known from the operands (a branch)
+                step = item.rule.pick(item.eqn, mine[0])
+                captured = item.rule.capture(item.eqn, list(invals), item.name_stack, step)
+                sub_modes = interpret.MODES[interpret.MODES.index(mode) :]
+            else:
+                steps = (
+                    fl.steps[k] if k in fl.steps else sess.step_flags(level, k, item, invals, shard)
+                )
+                step, sub_modes = _first_step(steps, mode)
+                if step < 0:  # not even a literal: an output of the body is a non-finite literal
+                    return Found(item, path, *mine, mode, constant=True, shard=shard)
+                if item.rule.context is not None:
+                    if shard is not None:  # pragma: no cover - nested shard_map bodies
+                        return Found(item, path, *mine, mode, shard=shard)
+                    sub_shard = item.rule.context(item.eqn, step)
+                captured = sess.step_capture(level, k, item, invals, step, shard)
         elem, sub, sub_consts, sub_args = item.rule.enter(item.eqn, step, list(captured))
+        body = fl.bodies.get(k)
+        if body is not None and body[0] == step and sub_shard is None:
+            sess.seed((level, k, elem), Flags(*body[1:], {}, None, None))
         for sub_mode in sub_modes:
             found = search(
                 sess, (level, k, elem), sub, sub_consts, sub_args, item.name_stack,
