@@ -4,13 +4,30 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 
 # Test runs are short: the step's second program compiles when first needed, not in a
 # background thread (nan2safe_jax.programs; tests/test_programs.py turns it on where it tests it).
 os.environ.setdefault("NAN2SAFE_BACKGROUND_COMPILE", "0")
 
+# One persistent XLA compilation cache for the whole run, shared by every xdist worker and every
+# subprocess a test starts (they inherit the environment): the suite compiles the same tiny
+# train steps and replays many times over. A fresh directory per run, removed at its end, so a
+# run never reads what an earlier run compiled.
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="n2s-xla-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# (also when a plugin imported jax before the variables above were set)
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _counter = {"n": 0}
@@ -73,3 +90,11 @@ def _two_programs_when_marked(request):
     defaults["fast_program"] = True
     yield
     defaults["fast_program"] = False
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The process that made the run's compilation cache removes it (xdist workers inherit its
+    path and leave it alone)."""
+    del session, exitstatus
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
