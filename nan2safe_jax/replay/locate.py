@@ -171,6 +171,21 @@ def _polluted(sess: Session, leaves_with_path: list, i: int, t0: float) -> Repor
     )
 
 
+def _not_reproducible(why: str, sess: Session, t0: float) -> Report:
+    """The report of a replay that does not reproduce the production step (``why``)."""
+    return Report.no_equation(
+        kind=None,
+        inputs=[],
+        channels={},
+        diagnosis=NOT_REPRODUCIBLE,
+        explanation=why,
+        reason=why,
+        replays=sess.replays,
+        seconds=time.perf_counter() - t0,
+        reproducible=False,
+    )
+
+
 def _mismatch(expected: np.ndarray, got: np.ndarray, index: np.ndarray | None = None) -> str | None:
     """Why the replay's output codes differ from the production step's, or None if they agree.
 
@@ -208,17 +223,7 @@ def _locate(
         idx, got = fl.prefix_outs
         why = _mismatch(np.asarray(expected)[idx], got, idx)
     if why is not None:
-        return Report.no_equation(
-            kind=None,
-            inputs=[],
-            channels={},
-            diagnosis=NOT_REPRODUCIBLE,
-            explanation=why,
-            reason=why,
-            replays=sess.replays,
-            seconds=time.perf_counter() - t0,
-            reproducible=False,
-        )
+        return _not_reproducible(why, sess, t0)
 
     first = first_flagged(fl)
     if first is not None:
@@ -338,14 +343,4 @@ def locate_step(step_fn: Any, *args: Any, check: bool = True) -> Report:
     if report is not None:
         return report
     why = "a replay of the step from the same inputs produced only finite values"
-    return Report.no_equation(
-        kind=None,
-        inputs=[],
-        channels={},
-        diagnosis=NOT_REPRODUCIBLE,
-        explanation=why,
-        reason=why,
-        replays=sess.replays,
-        seconds=time.perf_counter() - t0,
-        reproducible=False,
-    )
+    return _not_reproducible(why, sess, t0)
