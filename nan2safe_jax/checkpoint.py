@@ -137,8 +137,9 @@ class Checkpointer:
         Args:
           step: the step number the state is at.
           state: a ``TrainState`` (or any pytree of arrays).
-          finite: the step's own finiteness verdict (``metrics["state_finite"]``, computed on
-            device); ``None`` checks on the host.
+          finite: a finiteness verdict the caller already holds; ``None`` (what the Trainer
+            passes) checks here with ``state_is_finite``, a host pass over the arrays the save
+            reads back anyway, so the train step compiles no check of its own.
 
         Returns:
           Whether it was saved. A non-finite state is never written.

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from nan2safe_jax.config import Config
@@ -92,22 +93,36 @@ def effective(gs: GearState, site: str) -> jax.Array:
     return jnp.maximum(gs.level, gs.sites[site]).astype(jnp.int32)
 
 
+def _flat(tree: Mapping[str, jax.Array]) -> jax.Array:
+    """Every site's gears (or counters) as one int32 vector, in ``tree``'s order.
+
+    The policy works on this vector, not site by site: a flag over all sites (``recover``)
+    is then one reduction, not a chain of scalar ``or``s that XLA copies into every site's
+    output (on a model with ~90 sites that copy was most of the step's compile time).
+    """
+    parts = [jnp.ravel(jnp.asarray(v, jnp.int32)) for v in tree.values()]
+    return jnp.concatenate(parts) if parts else jnp.zeros([0], jnp.int32)
+
+
+def _unflat(flat: jax.Array, like: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """``_flat``'s inverse: ``flat`` split into arrays shaped like ``like``'s values."""
+    out, at = {}, 0
+    for name, v in like.items():
+        shape = jnp.shape(v)
+        size = int(np.prod(shape, dtype=np.int64))
+        out[name] = flat[at : at + size].reshape(shape).astype(jnp.int32)
+        at += size
+    return out
+
+
 def any_safe(gs: GearState) -> jax.Array:
     """True when the whole model or any site is in SAFE (the learning-rate factor applies)."""
-    flags = [gs.level >= Gear.SAFE] + [jnp.any(g >= Gear.SAFE) for g in gs.sites.values()]
-    return jnp.any(jnp.stack(flags))
+    return (gs.level >= Gear.SAFE) | jnp.any(_flat(gs.sites) >= Gear.SAFE)
 
 
 def any_below_fast(gs: GearState) -> jax.Array:
     """True when the whole model or any site runs below FAST (STABLE or SAFE)."""
-    return _any_below_fast(gs.level, gs.sites)
-
-
-def _any_below_fast(level: jax.Array, sites: Mapping[str, jax.Array]) -> jax.Array:
-    """True when the global level or any site is below FAST (STABLE or SAFE)."""
-    return jnp.any(
-        jnp.stack([level > Gear.FAST] + [jnp.any(g > Gear.FAST) for g in sites.values()])
-    )
+    return (gs.level > Gear.FAST) | jnp.any(_flat(gs.sites) > Gear.FAST)
 
 
 def safe_dwell(entries: jax.Array, cfg: Config) -> jax.Array:
@@ -196,34 +211,34 @@ def decide(
     calm = (risk <= 0.0) if calm is None else jnp.asarray(calm, bool)
     trigger = (risk >= cfg.trigger_risk) | bad
     downshift = trigger & (gs.level == Gear.FAST)
-    ran_in_stable = _any_below_fast(gs.level, gs.sites) & ~any_safe(gs)
+    ran_in_stable = any_below_fast(gs) & ~any_safe(gs)
     level = jnp.where(downshift, Gear.STABLE, gs.level)
 
     # SAFE stays count down whatever happens; leaving SAFE lands in STABLE (staged).
     lvl_safe = level == Gear.SAFE
     lvl_left = jnp.where(lvl_safe, gs.level_safe_left - 1, 0)
     level = jnp.where(lvl_safe & (lvl_left <= 0), Gear.STABLE, level)
-    sites, safe_left = {}, {}
-    for name, g in gs.sites.items():
-        in_safe = g == Gear.SAFE
-        left = jnp.where(in_safe, gs.safe_left[name] - 1, 0)
-        sites[name] = jnp.where(in_safe & (left <= 0), Gear.STABLE, g)
-        safe_left[name] = jnp.maximum(left, 0)
+    g = _flat(gs.sites)
+    in_safe = g == Gear.SAFE
+    left = jnp.where(in_safe, _flat(gs.safe_left) - 1, 0)
+    g = jnp.where(in_safe & (left <= 0), Gear.STABLE, g)
 
     calm_count = jnp.where(calm & ~trigger & ran_in_stable, _inc(gs.calm), 0)
-    still_safe = [level >= Gear.SAFE] + [jnp.any(g >= Gear.SAFE) for g in sites.values()]
-    ready = (calm_count >= cfg.recovery_window) & ~jnp.any(jnp.stack(still_safe))
-    recover = ready & _any_below_fast(level, sites)
+    still_safe = (level >= Gear.SAFE) | jnp.any(g >= Gear.SAFE)
+    ready = (calm_count >= cfg.recovery_window) & ~still_safe
+    recover = ready & ((level > Gear.FAST) | jnp.any(g > Gear.FAST))
     level = jnp.where(recover, Gear.FAST, level)
-    sites = {k: jnp.where(recover, Gear.FAST, g) for k, g in sites.items()}
+    g = jnp.where(recover, Gear.FAST, g)
     calm_count = jnp.where(recover, 0, calm_count)
+    sites = _unflat(g, gs.sites)
+    safe_left = _unflat(jnp.maximum(left, 0), gs.safe_left)
 
     i32 = lambda x: jnp.asarray(x, jnp.int32)
     return gs.replace(
         level=i32(level),
         level_safe_left=i32(jnp.maximum(lvl_left, 0)),
-        sites={k: i32(v) for k, v in sites.items()},
-        safe_left={k: i32(v) for k, v in safe_left.items()},
+        sites=sites,
+        safe_left=safe_left,
         calm=i32(calm_count),
         downshifts=jnp.where(downshift, _inc(gs.downshifts), gs.downshifts),
         recoveries=jnp.where(recover, _inc(gs.recoveries), gs.recoveries),

@@ -119,13 +119,23 @@ def headroom(max_abs: jax.Array, overflow: jax.Array, dtype) -> jax.Array:
     return jnp.where(overflow, 1.0, max_abs / _finfo_max(dtype))
 
 
+def _sums(a, b):
+    """The reducer of ``stats``: sums, except the max of the third operand."""
+    out = [u + v for u, v in zip(a, b, strict=True)]
+    out[2] = jnp.maximum(a[2], b[2])
+    return tuple(out)
+
+
 def stats(x: jax.typing.ArrayLike) -> jax.Array:
-    """Probe statistics of one tensor, computed on device with ``lax`` reductions.
+    """Probe statistics of one tensor, computed on device in one reduction.
 
     One pass in f32 over the finite values only, so a NaN element is counted, not averaged in.
-    Every reduction reads the same input (count, sum, sum of squares, max, any-inf), so XLA
-    fuses them into one sweep; the variance is ``E[x^2] - E[x]^2`` clamped at 0, which is
-    plenty for a monitoring statistic.
+    Every statistic comes from one variadic ``lax.reduce`` (sum, sum of squares, max, and the
+    counts of NaN, ``+inf`` and ``-inf``): XLA compiles it as one fusion, where separate
+    ``jnp`` reductions compiled as up to ten (the elementwise work ahead of each, then each
+    reduction, on the CPU), and a site's probes were a third of the step's compile time. The
+    variance is ``E[x^2] - E[x]^2`` clamped at 0, which is plenty for a monitoring statistic.
+    No gradient flows through it (monitoring only).
 
     Args:
       x: any array.
@@ -135,17 +145,23 @@ def stats(x: jax.typing.ArrayLike) -> jax.Array:
       (count of NaN and ``+inf``; ``-inf`` mask fills excluded), ``headroom`` (``max_abs /
       finfo(x.dtype).max``; a ``+inf`` counts as headroom 1, a ``-inf`` does not).
     """
-    x = jnp.asarray(x)
+    x = lax.stop_gradient(jnp.asarray(x))
     xf = x.astype(jnp.float32)
-    finite = jnp.isfinite(xf)
-    xz = jnp.where(finite, xf, 0.0)
-    count = jnp.sum(finite, dtype=jnp.float32)
-    n = jnp.maximum(count, 1.0)
-    mean = jnp.sum(xz) / n
-    var = jnp.maximum(jnp.sum(jnp.square(xz)) / n - jnp.square(mean), 0.0)
-    max_abs = jnp.max(jnp.abs(xz), initial=0.0)
-    head = headroom(max_abs, jnp.any(xf == jnp.inf), x.dtype)
-    return jnp.stack([max_abs, mean, var, nonfinite_count(xf), head]).astype(jnp.float32)
+    nan, pos, neg = jnp.isnan(xf), xf == jnp.inf, xf == -jnp.inf
+    xz = jnp.where(nan | pos | neg, 0.0, xf)
+    one = lambda b: b.astype(jnp.float32)
+    zero = jnp.zeros((), jnp.float32)
+    total, total_sq, max_abs, n_nan, n_pos, n_neg = lax.reduce(
+        (xz, jnp.square(xz), jnp.abs(xz), one(nan), one(pos), one(neg)),
+        (zero,) * 6,
+        _sums,
+        tuple(range(xf.ndim)),
+    )
+    n = jnp.maximum(float(xf.size) - n_nan - n_pos - n_neg, 1.0)
+    mean = total / n
+    var = jnp.maximum(total_sq / n - jnp.square(mean), 0.0)
+    head = headroom(max_abs, n_pos > 0, x.dtype)
+    return jnp.stack([max_abs, mean, var, n_nan + n_pos, head]).astype(jnp.float32)
 
 
 def op_stats(x: jax.Array) -> jax.Array:

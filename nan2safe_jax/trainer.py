@@ -103,7 +103,6 @@ def _host(metrics: dict) -> dict:
         skipped=bool(m["skipped"]),
         polluted=bool(m["polluted"]),
         bad_update=bool(m["bad_update"]),
-        state_finite=bool(m["state_finite"]),
         site_gears={k: np.asarray(v).tolist() for k, v in m["site_gears"].items()},
         probe_risk={k: float(v) for k, v in m["probe_risk"].items()},
     )
@@ -344,11 +343,11 @@ class Trainer:
             self.ring.append((done.step, done.batch))
             if (done.step + 1) % self.cfg.checkpoint_every == 0:
                 state = done.after if restart is None else restart.state
-                self._checkpoint(done.step + 1, state, m["state_finite"])
+                self._checkpoint(done.step + 1, state)
         return restart
 
-    def _checkpoint(self, step: int, state, finite: bool) -> None:
-        if self.checkpoints.save(step, state, finite=finite):
+    def _checkpoint(self, step: int, state) -> None:
+        if self.checkpoints.save(step, state):
             self.log.append("checkpoint", step, path=str(self.checkpoints.path(step)))
         else:
             self.log.append("error", step, detail="state not finite: no checkpoint")

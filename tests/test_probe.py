@@ -1,7 +1,9 @@
 """probe: the named layout of the probe vector and its producers agree."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from nan2safe_jax import probe
 
@@ -35,3 +37,38 @@ def test_producers_share_the_layout():
     sc = probe.scalar_stats(jnp.float32(-2.5), jnp.float32(0.0), False)
     assert float(sc[probe.MAX_ABS]) == 2.5 and float(sc[probe.MEAN]) == -2.5
     np.testing.assert_array_equal(probe.zeros(), np.zeros(probe.NUM_STATS))
+
+
+def _reference_stats(x: np.ndarray, dtype) -> np.ndarray:
+    """``stats`` in NumPy, in float64: the finite values' moments, NaN and +inf counted."""
+    xf = np.asarray(x, np.float64).ravel()
+    fin = xf[np.isfinite(xf)]
+    mean = fin.mean() if fin.size else 0.0
+    max_abs = np.abs(fin).max() if fin.size else 0.0
+    bad = np.isnan(xf).sum() + (xf == np.inf).sum()
+    head = 1.0 if (xf == np.inf).any() else max_abs / float(jnp.finfo(dtype).max)
+    return np.array([max_abs, mean, fin.var() if fin.size else 0.0, bad, head])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("seed", range(3))
+def test_stats_matches_the_numpy_reference(dtype, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(6, 33)) * 10.0 ** rng.integers(-2, 3)
+    if seed:  # seed 0: all finite, so the headroom is max_abs / finfo(dtype).max
+        x.ravel()[rng.choice(x.size, 5, replace=False)] = [np.nan, np.inf, -np.inf, np.nan, 0.0]
+    x = jnp.asarray(x, dtype)
+    got = np.asarray(jax.jit(probe.stats)(x), np.float64)
+    want = _reference_stats(np.asarray(x.astype(jnp.float32)), dtype)
+    # atol: an f32 headroom of ~1e-37 may be flushed to 0 (XLA divides by a reciprocal)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-30)
+
+
+def test_stats_is_one_reduction_without_gradient():
+    """One variadic reduction (one fusion for XLA, not one per statistic), and monitoring only:
+    no gradient flows through it."""
+    jaxpr = jax.make_jaxpr(probe.stats)(jnp.ones((4, 8)))
+    reductions = [e for e in jaxpr.eqns if e.primitive.name.startswith("reduce")]
+    assert [e.primitive.name for e in reductions] == ["reduce"]
+    g = jax.grad(lambda x: probe.stats(x)[probe.MAX_ABS] + probe.stats(x)[probe.MEAN])(jnp.ones(3))
+    np.testing.assert_array_equal(g, np.zeros(3))
