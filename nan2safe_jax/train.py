@@ -313,10 +313,14 @@ def train_step(
     decided = gear_lib.decide(gs, risk.risk, downshift_now, cfg, calm=risk.calm)
 
     # The SAFE learning-rate cut follows the gears this step ran with (so the last SAFE step
-    # gets it too), per parameter: only the SAFE site's own parameters slow down.
-    factors = jax.tree_util.tree_map(
-        lambda f: f * state.lr_scale, lr_factors(state.params, gs, cfg.safe_lr_factor)
-    )
+    # gets it too), per parameter: only the SAFE site's own parameters slow down. Nothing is
+    # in SAFE when every gear is FAST: the FAST-only program compiles no per-leaf factor.
+    if fast_only:
+        factors = jax.tree_util.tree_map(lambda _: state.lr_scale, state.params)
+    else:
+        factors = jax.tree_util.tree_map(
+            lambda f: f * state.lr_scale, lr_factors(state.params, gs, cfg.safe_lr_factor)
+        )
     applied = finite & ~polluted
     updates, new_opt = state.tx.update(
         grads,
@@ -377,7 +381,10 @@ def train_step(
         "calm": risk.calm,
         "probes": probes,
         "probe_risk": dict(zip(det.names, risk.per_probe, strict=True)),
-        "site_gears": {k: gear_lib.effective(gs, k) for k in gs.sites},
+        # With every gear FAST (the FAST-only program) a site's effective gear is its own.
+        "site_gears": dict(gs.sites)
+        if fast_only
+        else {k: gear_lib.effective(gs, k) for k in gs.sites},
         # Read by ``make_train_step`` to pick the next step's program without reading the gears.
         "next_all_fast": ~gear_lib.any_below_fast(new_gs),
     }
