@@ -220,7 +220,7 @@ def decide(
     level = jnp.where(lvl_safe & (lvl_left <= 0), Gear.STABLE, level)
     g = _flat(gs.sites)
     in_safe = g == Gear.SAFE
-    left = jnp.where(in_safe, _flat(gs.safe_left) - 1, 0)
+    left = jnp.where(in_safe, _flat({k: gs.safe_left[k] for k in gs.sites}) - 1, 0)
     g = jnp.where(in_safe & (left <= 0), Gear.STABLE, g)
 
     calm_count = jnp.where(calm & ~trigger & ran_in_stable, _inc(gs.calm), 0)
@@ -231,7 +231,7 @@ def decide(
     g = jnp.where(recover, Gear.FAST, g)
     calm_count = jnp.where(recover, 0, calm_count)
     sites = _unflat(g, gs.sites)
-    safe_left = _unflat(jnp.maximum(left, 0), gs.safe_left)
+    safe_left = _unflat(jnp.maximum(left, 0), gs.sites)
 
     i32 = lambda x: jnp.asarray(x, jnp.int32)
     return gs.replace(
