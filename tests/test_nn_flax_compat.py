@@ -2,12 +2,13 @@
 
 Each test builds the flax.nnx module and ours from the same ``Rngs`` (same parameters, since
 the initialisation order is flax's), runs both on the same inputs and compares. In f32 the
-outputs are bit-for-bit in every dtype (the same ops), and so are the gradients with a concrete
-gear (direct dispatch, plain autodiff). With a *traced* gear (what a jitted train step does)
-FAST's forward and backward are still plain code and JAX's autodiff of the same formula, but each
-op's value and cotangent pass one gear ``cond``, which XLA does not fuse across, so gradients
-may differ in the last bits (seen: a few ulps in f32 on reduced bias gradients): GRAD_TOL below,
-relative to the gradient's max.
+outputs are bit-for-bit in every dtype (the same ops), and so are the gradients with a gear
+known at trace time (direct dispatch, plain autodiff): jitted, as the train step's FAST-only
+program runs a site; eagerly with a concrete gear where flax itself cannot be jitted. With a
+*traced* gear (what the general program does) FAST's forward and backward are still plain code
+and JAX's autodiff of the same formula, but each op's value and cotangent pass one gear
+``cond``, which XLA does not fuse across, so gradients may differ in the last bits (seen: a few
+ulps in f32 on reduced bias gradients): GRAD_TOL below, relative to the gradient's max.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import pytest
 from flax import nnx
 
 from nan2safe_jax import nn
+from nan2safe_jax.ops import dispatch
+from nan2safe_jax.site import site_gears
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 DTYPES = [F32, F16, BF16]
@@ -77,11 +80,25 @@ def _compare(ours, theirs, args, dt, call=lambda m, *a: m(*a), flax_jit=True):
     assert len(lo) == len(lt)
     for a, b in zip(lo, lt, strict=True):
         _grad_close(a, b, dt)  # traced gear: the last bits may differ (module docstring)
-    # a concrete gear (no jit) dispatches directly: plain autodiff, bit-for-bit in every dtype
+    # A gear known at trace time dispatches directly: plain autodiff, bit-for-bit in every
+    # dtype. Jitted, that is the FAST-only program's site (every gear ``fast_only_gear``); where
+    # flax runs eagerly, a concrete gear eagerly.
+    fast = _fast_only(ours) if flax_jit else ours
     for a, b in zip(
-        jax.tree.leaves(gfun(ours, *args)), jax.tree.leaves(gfun(theirs, *args)), strict=True
+        jax.tree.leaves(tjit(gfun)(fast, *args)),
+        jax.tree.leaves(tjit(gfun)(theirs, *args)),
+        strict=True,
     ):
         _same(a, b)
+
+
+def _fast_only(module):
+    """A copy of ``module`` whose every site gear is FAST known at trace time (what the train
+    step's FAST-only program traces: no gear switch)."""
+    module = nnx.clone(module)
+    for var in site_gears(module).values():
+        var.set_value(dispatch.fast_only_gear(jnp.shape(var.get_value())))
+    return module
 
 
 @pytest.mark.parametrize("dt", DTYPES)
