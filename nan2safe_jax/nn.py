@@ -121,11 +121,16 @@ def _write_if(var: nnx.Variable, st: Mapping[str, jax.Array], key: str, kind: st
 
 
 def _write(var: nnx.Variable, value: jax.Array) -> None:
-    """Overwrites a probe (replacing an abstract value whole, see ``_read``)."""
-    if isinstance(var.get_value(), jax.ShapeDtypeStruct):
+    """Overwrites a probe (replacing an abstract value whole, see ``_read``).
+
+    The new value replaces the old one in the old one's shape and dtype: what ``var[...] =
+    value`` stores, without tracing an indexed update (~15 ms of tracing per probe).
+    """
+    old = var.get_value()
+    if isinstance(old, jax.ShapeDtypeStruct):
         var.set_value(value)
     else:
-        var[...] = value
+        var.set_value(jnp.broadcast_to(jnp.asarray(value, old.dtype), jnp.shape(old)))
 
 
 def _no_sharding(name: str, out_sharding) -> None:
