@@ -457,11 +457,11 @@ def make_train_step(
       ran with), ``loss_scale``, ``grad_norm``, ``nonfinite``, ``skipped``, per-probe ``probes``
       and ``probe_risk``, ``site_gears`` and ``next_all_fast`` (the next step's program).
       ``step.jitted`` is the general step jitted without shardings and ``step.jitted_fast``
-      the FAST-only one (what
-      ``replay.locate_step`` traces; give it arguments gathered with
+      the FAST-only one (what ``replay.locate_step`` traces; give it arguments gathered with
       ``nan2safe.sharding.to_local``); ``step.rules`` the rules; ``step.programs`` the
       ``StepPrograms`` in use; ``step.wait_compiled()`` blocks until background compiles are
-      done.
+      done. A state's finiteness before a checkpoint is ``checkpoint.state_is_finite``'s to
+      check (the step computes no ``state_finite``).
     """
     rules = sharding_lib.resolve(mesh, rules)
     fn = functools.partial(train_step, loss_fn=loss_fn, lr_schedule=lr_schedule, has_aux=has_aux)
