@@ -69,8 +69,9 @@ def test_skipped_model_nan_leaves_batchnorm_stats_and_baselines_bit_identical():
     assert float(m2["nonfinite"]) == 0.0 and not bool(m2["skipped"])
 
 
-def _nan_update_at(k):
-    """An optimizer fault: a finite gradient whose update is NaN at the optimizer's step k."""
+def _nan_update_at(k, factor=jnp.nan):
+    """An optimizer fault: a finite gradient whose update is NaN at the optimizer's step k (or
+    multiplied by another ``factor``)."""
 
     def init(params):
         del params
@@ -78,14 +79,17 @@ def _nan_update_at(k):
 
     def update(updates, count, params=None):
         del params
-        f = jnp.where(count == k, jnp.nan, 1.0)
+        f = jnp.where(count == k, factor, 1.0)
         return jax.tree_util.tree_map(lambda u: u * f, updates), count + 1
 
     return optax.GradientTransformation(init, update)
 
 
-def test_nonfinite_update_from_finite_gradients_is_skipped_and_escalates():
-    tx = optax.chain(optax.sgd(1e-2), _nan_update_at(2))
+# NaN, or finite elements whose norm overflows f32 (the step's one-pass update norm reads it
+# as non-finite: an update of norm ~1e19 or more is a fault all the same)
+@pytest.mark.parametrize("factor", [float("nan"), 1e30], ids=["nan", "norm_overflow"])
+def test_nonfinite_update_from_finite_gradients_is_skipped_and_escalates(factor):
+    tx = optax.chain(optax.sgd(1e-2), _nan_update_at(2, factor))
     state = TrainState.create(Net(rngs=nnx.Rngs(0)), tx)
     step = make_train_step(loss_fn)
     x, y = data(3)
