@@ -115,14 +115,19 @@ def _unflat(flat: jax.Array, like: Mapping[str, jax.Array]) -> dict[str, jax.Arr
     return out
 
 
+def _any_above(level: jax.Array, flat_sites: jax.Array, gear: Gear) -> jax.Array:
+    """bool[]: the whole-model gear or any site's (``_flat``) is above ``gear``."""
+    return (level > gear) | jnp.any(flat_sites > gear)
+
+
 def any_safe(gs: GearState) -> jax.Array:
     """True when the whole model or any site is in SAFE (the learning-rate factor applies)."""
-    return (gs.level >= Gear.SAFE) | jnp.any(_flat(gs.sites) >= Gear.SAFE)
+    return _any_above(gs.level, _flat(gs.sites), Gear.STABLE)
 
 
 def any_below_fast(gs: GearState) -> jax.Array:
     """True when the whole model or any site runs below FAST (STABLE or SAFE)."""
-    return (gs.level > Gear.FAST) | jnp.any(_flat(gs.sites) > Gear.FAST)
+    return _any_above(gs.level, _flat(gs.sites), Gear.FAST)
 
 
 def safe_dwell(entries: jax.Array, cfg: Config) -> jax.Array:
@@ -211,22 +216,22 @@ def decide(
     calm = (risk <= 0.0) if calm is None else jnp.asarray(calm, bool)
     trigger = (risk >= cfg.trigger_risk) | bad
     downshift = trigger & (gs.level == Gear.FAST)
-    ran_in_stable = any_below_fast(gs) & ~any_safe(gs)
+    g = _flat(gs.sites)
+    ran_in_stable = _any_above(gs.level, g, Gear.FAST) & ~_any_above(gs.level, g, Gear.STABLE)
     level = jnp.where(downshift, Gear.STABLE, gs.level)
 
     # SAFE stays count down whatever happens; leaving SAFE lands in STABLE (staged).
     lvl_safe = level == Gear.SAFE
     lvl_left = jnp.where(lvl_safe, gs.level_safe_left - 1, 0)
     level = jnp.where(lvl_safe & (lvl_left <= 0), Gear.STABLE, level)
-    g = _flat(gs.sites)
     in_safe = g == Gear.SAFE
     left = jnp.where(in_safe, _flat({k: gs.safe_left[k] for k in gs.sites}) - 1, 0)
     g = jnp.where(in_safe & (left <= 0), Gear.STABLE, g)
 
     calm_count = jnp.where(calm & ~trigger & ran_in_stable, _inc(gs.calm), 0)
-    still_safe = (level >= Gear.SAFE) | jnp.any(g >= Gear.SAFE)
+    still_safe = _any_above(level, g, Gear.STABLE)
     ready = (calm_count >= cfg.recovery_window) & ~still_safe
-    recover = ready & ((level > Gear.FAST) | jnp.any(g > Gear.FAST))
+    recover = ready & _any_above(level, g, Gear.FAST)
     level = jnp.where(recover, Gear.FAST, level)
     g = jnp.where(recover, Gear.FAST, g)
     calm_count = jnp.where(recover, 0, calm_count)
