@@ -34,7 +34,9 @@ changing them never recompiles):
   attention path, taken when dropout is configured, or ``UserAttention``);
 - ``set_knob(model, "logit_scale", 1e4)``: multiplies the router kernel of every MoE block
   (growing router weights: fp16 scores overflow through the router's two softmaxes);
-- ``set_knob(model, "head_scale", 1e3)``: multiplies the LM logits (huge logits into the loss).
+- ``set_knob(model, "head_scale", 1e3)``: multiplies the LM logits (huge logits into the loss);
+- ``set_knob(model, "embed_scale", 1e4)``: multiplies the embeddings entering the residual
+  stream (activations that grow until an fp16 residual add overflows).
 ``set_knob`` also sets a ``nan2safe.nn`` site's own knobs (``qk_scale`` of its attention).
 """
 
@@ -353,8 +355,9 @@ class Transformer(nnx.Module):
 
     Attributes (sites with ``layers="nan2safe"``): ``embed``, ``pos``, ``blocks`` (an
     ``nnx.List``, or one stacked ``Block`` with ``scan_layers``), ``norm``, ``head``, ``loss``
-    (an ``nn.CrossEntropy``, or ``OptaxCrossEntropy`` on flax layers). ``head_scale`` is a
-    ``Knob`` multiplying the LM logits (fault injection).
+    (an ``nn.CrossEntropy``, or ``OptaxCrossEntropy`` on flax layers). ``head_scale`` and
+    ``embed_scale`` are ``Knob``s multiplying the LM logits and the embeddings (fault injection;
+    1.0 changes no bit).
     """
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
@@ -377,6 +380,7 @@ class Transformer(nnx.Module):
         self.head = lib.Linear(cfg.d_model, cfg.vocab, **kw)
         self.loss = nn.CrossEntropy() if cfg.layers == "nan2safe" else OptaxCrossEntropy()
         self.head_scale = Knob(jnp.ones((), jnp.float32))
+        self.embed_scale = Knob(jnp.ones((), jnp.float32))
 
     def __call__(self, tokens: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         """``tokens i32[B, T]`` (T <= seq_len), ``mask bool[B, T]`` -> logits ``[B, T, vocab]``."""
@@ -385,6 +389,8 @@ class Transformer(nnx.Module):
         if t > cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds seq_len={cfg.seq_len}")
         x = self.embed(tokens) + self.pos(jnp.arange(t))
+        # scaled in f32, so the first value to overflow is the grown activation, not the knob
+        x = (x.astype(jnp.float32) * self.embed_scale[...]).astype(x.dtype)
         amask = attention_mask(mask, cfg.pad_mask, t)
 
         def run(block: Block, x: jax.Array, amask: jax.Array) -> jax.Array:

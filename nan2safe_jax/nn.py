@@ -14,7 +14,8 @@ A site has
 module                     probes (``Probe`` variables, f32[NUM_STATS] each)
 =========================  ================================================================
 ``LayerNorm``, ``RMSNorm`` ``probe_output`` (row-sampled output), ``probe_inv_std`` (every
-                           row's ``1/sqrt(var + eps)``: its max is ``1/sqrt(min var + eps)``)
+                           row's ``1/sqrt(var + eps)``: its max is ``1/sqrt(min var + eps)``),
+                           ``probe_input`` (every row's ``sqrt(E[x²])``: the input's scale)
 ``MultiHeadAttention``     ``probe_logits`` (every query row's max logit), ``probe_probs``
                            (every row's max probability)
 ``Router``                 ``probe_logits`` (all scores; ``[tokens, experts]`` is small)
@@ -367,11 +368,19 @@ class LayerNorm(_Site):
     """``nnx.LayerNorm`` (last axis) as a site, through ``ops.layer_norm``.
 
     FAST is flax's math (statistics in f32, ``use_fast_variance``, ``mask=``). Probes:
-    ``probe_output`` (``sampled_stats`` of the output) and ``probe_inv_std`` (stats of every
-    row's ``1/sqrt(var + eps)``: its max_abs rises as the smallest variance collapses).
+    ``probe_output`` (``sampled_stats`` of the output), ``probe_inv_std`` (stats of every
+    row's ``1/sqrt(var + eps)``: its max_abs rises as the smallest variance collapses) and
+    ``probe_input`` (stats of every row's ``sqrt(E[x²])`` in the input's dtype: its max_abs
+    rises as the activations entering the norm grow).
     """
 
-    probe_kinds = MappingProxyType({"probe_output": "norm_output", "probe_inv_std": "norm_inv_std"})
+    probe_kinds = MappingProxyType(
+        {
+            "probe_output": "norm_output",
+            "probe_inv_std": "norm_inv_std",
+            "probe_input": "norm_input",
+        }
+    )
 
     def __init__(
         self,
@@ -417,6 +426,7 @@ class LayerNorm(_Site):
         self._init_site()
         self.probe_output = _new_probe()
         self.probe_inv_std = _new_probe()
+        self.probe_input = _new_probe()
 
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
         x, scale, bias = self.promote_dtype(
@@ -438,16 +448,24 @@ class LayerNorm(_Site):
 
 
 def _write_norm_probes(norm, y: jax.Array, st) -> None:
-    """A norm site's probes: its output and (from the op's own statistics) its inverse std."""
+    """A norm site's probes: its output and (from the op's own statistics) its inverse std and
+    its input's row scale."""
     if probe_enabled("norm_output"):
         _write(norm.probe_output, sampled_stats(y))
     _write_if(norm.probe_inv_std, st, "inv_std", "norm_inv_std")
+    _write_if(norm.probe_input, st, "input_rms", "norm_input")
 
 
 class RMSNorm(_Site):
     """``nnx.RMSNorm`` (last axis) as a site, through ``ops.rms_norm``; probes as LayerNorm."""
 
-    probe_kinds = MappingProxyType({"probe_output": "norm_output", "probe_inv_std": "norm_inv_std"})
+    probe_kinds = MappingProxyType(
+        {
+            "probe_output": "norm_output",
+            "probe_inv_std": "norm_inv_std",
+            "probe_input": "norm_input",
+        }
+    )
 
     def __init__(
         self,
@@ -483,6 +501,7 @@ class RMSNorm(_Site):
         self._init_site()
         self.probe_output = _new_probe()
         self.probe_inv_std = _new_probe()
+        self.probe_input = _new_probe()
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         x, scale = self.promote_dtype((jnp.asarray(x), _value(self.scale)), dtype=self.dtype)

@@ -89,8 +89,8 @@ def test_site_attributes():
     probes = {
         "Linear": set(),  # opt-in: probe=True
         "Embed": set(),
-        "LayerNorm": {"probe_output", "probe_inv_std"},
-        "RMSNorm": {"probe_output", "probe_inv_std"},
+        "LayerNorm": {"probe_output", "probe_inv_std", "probe_input"},
+        "RMSNorm": {"probe_output", "probe_inv_std", "probe_input"},
         "MultiHeadAttention": {"probe_logits", "probe_probs"},
         "Router": {"probe_logits"},
         "CrossEntropy": {"probe_logits"},

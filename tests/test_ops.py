@@ -547,6 +547,36 @@ def test_return_stats():
         assert float(st_deg["inv_std"][3]) == (0.0 if g == 2 else 2.0)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dt", DTYPES, ids=_ids)
+def test_norm_input_rms_probe_matches_the_numpy_reference(dt, norm, masked):
+    """Every gear's ``input_rms``: the per-row sqrt(E[x²]) of the (masked) input, in x's dtype;
+    in FAST an input that overflowed is counted as non-finite, not averaged in."""
+    r = _rng(23)
+    x = np.asarray(r.normal(size=(3, 16)) * np.array([[1.0], [40.0], [0.01]]) + 0.5, np.float32)
+    mask = r.random((3, 16)) > 0.3 if masked else None
+    args = (None, None) if norm == "layer_norm" else (None,)
+
+    @jit
+    def run(x, g):
+        return getattr(ops, norm)(x, *args, 1e-5, gear=g, mask=mask, return_stats=True)[1]
+
+    xd = jnp.asarray(x, dt)
+    xs = np.asarray(xd, np.float64)
+    sq = np.where(mask, xs**2, 0.0).sum(-1) / mask.sum(-1) if masked else (xs**2).mean(-1)
+    want = np.sqrt(sq)
+    for g in GEARS:
+        st = run(xd, jnp.int32(g))["input_rms"]
+        assert st.shape == (5,) and float(st[3]) == 0.0  # nothing non-finite
+        eps = float(jnp.finfo(dt).eps)
+        np.testing.assert_allclose(float(st[0]), want.max(), rtol=2 * eps)
+        head = want.max() / float(jnp.finfo(dt).max)  # f32: ~1e-37, may flush to 0 on CPU
+        np.testing.assert_allclose(float(st[4]), head, rtol=0.01, atol=1e-30)
+    st = run(xd.at[1, 2].set(jnp.inf), jnp.int32(0))["input_rms"]
+    assert float(st[3]) == 1.0  # the row that holds the inf
+
+
 def test_input_errors():
     x = jnp.ones((2, 3, 2, 4))
     with pytest.raises(ValueError, match="attention"):

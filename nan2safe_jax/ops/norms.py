@@ -1,4 +1,4 @@
-"""LayerNorm and RMSNorm with FAST / STABLE / SAFE paths and an ``inv_std`` probe.
+"""LayerNorm and RMSNorm with FAST / STABLE / SAFE paths and ``inv_std`` / ``input_rms`` probes.
 
 FAST is ``flax.nnx.LayerNorm`` / ``RMSNorm``'s math (flax's ``_compute_stats`` and
 ``_normalize``): statistics taken in ``promote(dtype, f32)`` (fast variance ``E[x²] - E[x]²``
@@ -75,7 +75,15 @@ def _norm_fast(x, scale, bias, mask, *, eps, center, fast_var):
     y = y * mul
     if bias is not None:
         y = y + bias.reshape((1,) * (x.ndim - 1) + bias.shape)
-    return jnp.asarray(y, x.dtype), {"inv_std": probe.op_stats(inv)}
+    return jnp.asarray(y, x.dtype), _probes(inv, mean, var, x.dtype)
+
+
+def _probes(inv, mean, var, dtype):
+    """The op's probes from the statistics it takes anyway: ``inv_std`` (every row's
+    ``1/sqrt(var + eps)``) and ``input_rms`` (every row's ``sqrt(E[x²]) = sqrt(var + mean²)``,
+    in the input's dtype, so it overflows where the input would: the residual stream's scale)."""
+    rms = jnp.sqrt(var + jnp.square(mean)).astype(dtype)
+    return {"inv_std": probe.op_stats(inv), "input_rms": probe.op_stats(rms)}
 
 
 def _norm_stable(x, scale, bias, mask, *, eps, center, fast_var):
@@ -85,7 +93,7 @@ def _norm_stable(x, scale, bias, mask, *, eps, center, fast_var):
     mean, var = mean[..., None], var[..., None]
     inv = lax.rsqrt(var + eps)
     y = _affine((xf - mean) * inv, _f32(scale), _f32(bias))
-    return _saturate(y, x.dtype), {"inv_std": probe.op_stats(inv)}
+    return _saturate(y, x.dtype), _probes(inv, mean, var, x.dtype)
 
 
 def _safe_inv_std(xc, eps, mask=None):
@@ -112,7 +120,20 @@ def _safe_probe_inv_std(xf, eps, center):
     return probe.op_stats(_safe_inv_std(xs, eps * _pow2(-2 * e)) * _pow2(-e))
 
 
-def _norm_safe_masked(xf, scale, bias, mask, eps, center):
+def _safe_probe_rms(xf, dtype, mask=None):
+    """``input_rms`` of the SAFE path: every row's ``sqrt(E[x²])``, taken on power-of-two
+    compressed rows so the squares cannot overflow, then in ``dtype`` (the input's) as FAST's."""
+    e = _range_exponent(xf, axis=-1, keepdims=True)
+    sq = jnp.square(xf * _pow2(-e))
+    if mask is None:
+        ms = jnp.mean(sq, -1, keepdims=True)
+    else:
+        n = jnp.maximum(jnp.sum(mask, -1, keepdims=True), 1).astype(_F32)
+        ms = jnp.sum(jnp.where(mask, sq, 0.0), -1, keepdims=True) / n
+    return probe.op_stats((jnp.sqrt(ms) * _pow2(e)).astype(dtype))
+
+
+def _norm_safe_masked(xf, scale, bias, mask, eps, center, dtype):
     """SAFE with a mask: compressed rows, masked mean / variance, degenerate rows -> 0."""
     e = _range_exponent(xf, axis=-1, keepdims=True)
     xs = xf * _pow2(-e)
@@ -122,20 +143,26 @@ def _norm_safe_masked(xf, scale, bias, mask, eps, center):
         xs = xs - jnp.sum(jnp.where(mask, xs, 0.0), -1, keepdims=True) / n
     inv = _safe_inv_std(xs, eps * _pow2(-2 * e), mask)
     y = _affine(xs * inv, _f32(scale), _f32(bias))
-    return y, {"inv_std": probe.op_stats(inv * _pow2(-e))}
+    return y, {
+        "inv_std": probe.op_stats(inv * _pow2(-e)),
+        "input_rms": _safe_probe_rms(xf, dtype, mask),
+    }
 
 
 def _norm_safe(x, scale, bias, mask, *, eps, center, fast_var):
     del fast_var
     xf = x.astype(_F32)
     if mask is not None:
-        y, st = _norm_safe_masked(xf, scale, bias, mask, eps, center)
+        y, st = _norm_safe_masked(xf, scale, bias, mask, eps, center, x.dtype)
         return _saturate(y, x.dtype), st
     if center:
         y = _kernels().safe_layer_norm(xf, _f32(scale), _f32(bias), eps=eps)
     else:
         y = _kernels().safe_rms_norm(xf, _f32(scale), eps=eps)
-    st = {"inv_std": _safe_probe_inv_std(xf, eps, center)}
+    st = {
+        "inv_std": _safe_probe_inv_std(xf, eps, center),
+        "input_rms": _safe_probe_rms(xf, x.dtype),
+    }
     return _saturate(y, x.dtype), st
 
 
@@ -176,9 +203,11 @@ def layer_norm(
       mask: bool, broadcastable to ``x``: the positions that enter the statistics (flax's
         ``mask=``); every position is normalised.
       use_fast_variance: FAST's variance as ``E[x²] - E[x]²`` (flax's default) or two-pass.
-      return_stats: also return ``{"inv_std": stats}``: ``detector.stats`` of the per-row
-        ``1/sqrt(var + eps)``; its ``max_abs`` is ``1/sqrt(min var + eps)``, the precursor of a
-        collapsing variance (inf when a row is degenerate in FAST/STABLE).
+      return_stats: also return ``{"inv_std": stats, "input_rms": stats}``: ``detector.stats``
+        of the per-row ``1/sqrt(var + eps)`` (its ``max_abs`` is ``1/sqrt(min var + eps)``, the
+        precursor of a collapsing variance; inf when a row is degenerate in FAST/STABLE) and of
+        the per-row ``sqrt(E[x²])`` in ``x``'s dtype (its ``max_abs`` is the largest row's
+        scale: the precursor of activations that grow until they overflow).
 
     Returns:
       ``x``'s float dtype, same shape; with ``return_stats`` a tuple ``(y, stats)``.
