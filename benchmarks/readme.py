@@ -119,6 +119,12 @@ def _false_alarms(doc: dict) -> str:
     return false_alarms.table(doc)
 
 
+def _probe_set(data: dict) -> str:
+    import probe_set
+
+    return probe_set.table(data)
+
+
 # name -> (json path, table renderer, command rebuilt from the JSON's own parameters)
 TABLES: dict[str, tuple[str, Callable, Callable]] = {
     "overhead": ("docs/overhead.json", _overhead, _overhead_command),
@@ -136,6 +142,7 @@ TABLES: dict[str, tuple[str, Callable, Callable]] = {
     "ops": ("docs/ops.json", _ops, _ops_command),
     "locate": ("docs/locate.json", _locate, _locate_command),
     "false_alarms": ("docs/false_alarms.json", _false_alarms, _false_alarms_command),
+    "probe_set": ("docs/probe_set.json", _probe_set, lambda rec, path: rec["command"]),
 }
 MARKDOWN = {"locate"}  # renderers that return a markdown table, not preformatted text
 
