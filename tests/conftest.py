@@ -92,6 +92,27 @@ def _two_programs_when_marked(request):
     defaults["fast_program"] = False
 
 
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as the module ``name`` (registered in
+    ``sys.modules``, so the scripts' imports of each other find it)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def benchmark_module():
+    """``benchmark_module("zoo")``: ``load_benchmark`` for tests."""
+    return load_benchmark
+
+
 def pytest_sessionfinish(session, exitstatus):
     """The process that made the run's compilation cache removes it (xdist workers inherit its
     path and leave it alone)."""

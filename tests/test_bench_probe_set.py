@@ -3,8 +3,6 @@ knob its residual-growth scenario turns. The measurement itself is the benchmark
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -18,12 +16,8 @@ _SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "probe_set.py"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("probe_set", _SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["probe_set"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def bench(benchmark_module):
+    return benchmark_module("probe_set")
 
 
 def test_candidate_names(bench):

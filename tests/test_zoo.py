@@ -3,10 +3,7 @@ data-NaN scenario in `make test`; ln_const and the full sweep are slow."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,16 +13,10 @@ from flax import nnx
 
 from nan2safe_jax.site import SiteGear
 
-_ZOO = Path(__file__).resolve().parents[1] / "benchmarks" / "zoo.py"
-
 
 @pytest.fixture(scope="module")
-def zoo():
-    spec = importlib.util.spec_from_file_location("zoo", _ZOO)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["zoo"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def zoo(benchmark_module):
+    return benchmark_module("zoo")
 
 
 def test_scenarios_are_complete(zoo):
