@@ -96,57 +96,39 @@ def _norm_stable(x, scale, bias, mask, *, eps, center, fast_var):
     return _saturate(y, x.dtype), _probes(inv, mean, var, x.dtype)
 
 
+def _row_mean(v, mask=None):
+    """Per-row mean over the last axis, of the masked positions only (at least one counted)."""
+    if mask is None:
+        return jnp.mean(v, -1, keepdims=True)
+    n = jnp.maximum(jnp.sum(mask, -1, keepdims=True), 1).astype(_F32)
+    return jnp.sum(jnp.where(mask, v, 0.0), -1, keepdims=True) / n
+
+
 def _safe_inv_std(xc, eps, mask=None):
     """Per-row ``1/sqrt(var + eps)`` of centred rows; 0 where ``var + eps`` is 0 (degenerate)."""
-    if mask is None:
-        var = jnp.mean(jnp.square(xc), -1, keepdims=True)
-    else:
-        n = jnp.maximum(jnp.sum(mask, -1, keepdims=True), 1).astype(_F32)
-        var = jnp.sum(jnp.where(mask, jnp.square(xc), 0.0), -1, keepdims=True) / n
-    d = var + eps
+    d = _row_mean(jnp.square(xc), mask) + eps
     ok = d > 0
     return jnp.where(ok, lax.rsqrt(jnp.where(ok, d, 1.0)), 0.0)
 
 
-def _safe_probe_inv_std(xf, eps, center):
-    """Probe of the per-row inverse std the SAFE path uses (0 on degenerate rows).
-
-    Computed on power-of-two compressed rows (``x·s``, ``eps·s²``), then scaled back by ``s``.
-    """
+def _safe_probes(xf, eps, center, dtype, mask=None):
+    """The SAFE path's probes, from one set of power-of-two compressed rows (``x·s``,
+    ``eps·s²``, scaled back by ``s``): ``inv_std`` (0 on degenerate rows) and ``input_rms``
+    (every row's ``sqrt(E[x²])``, whose squares cannot overflow there, then in ``dtype``, the
+    input's, as FAST's). Returns the probes and the centred compressed rows and exponent."""
     e = _range_exponent(xf, axis=-1, keepdims=True)
     xs = xf * _pow2(-e)
-    if center:
-        xs = xs - jnp.mean(xs, -1, keepdims=True)
-    return probe.op_stats(_safe_inv_std(xs, eps * _pow2(-2 * e)) * _pow2(-e))
-
-
-def _safe_probe_rms(xf, dtype, mask=None):
-    """``input_rms`` of the SAFE path: every row's ``sqrt(E[x²])``, taken on power-of-two
-    compressed rows so the squares cannot overflow, then in ``dtype`` (the input's) as FAST's."""
-    e = _range_exponent(xf, axis=-1, keepdims=True)
-    sq = jnp.square(xf * _pow2(-e))
-    if mask is None:
-        ms = jnp.mean(sq, -1, keepdims=True)
-    else:
-        n = jnp.maximum(jnp.sum(mask, -1, keepdims=True), 1).astype(_F32)
-        ms = jnp.sum(jnp.where(mask, sq, 0.0), -1, keepdims=True) / n
-    return probe.op_stats((jnp.sqrt(ms) * _pow2(e)).astype(dtype))
+    rms = (jnp.sqrt(_row_mean(jnp.square(xs), mask)) * _pow2(e)).astype(dtype)
+    xc = xs - _row_mean(xs, mask) if center else xs
+    inv = _safe_inv_std(xc, eps * _pow2(-2 * e), mask)
+    return {"inv_std": probe.op_stats(inv * _pow2(-e)), "input_rms": probe.op_stats(rms)}, xc, inv
 
 
 def _norm_safe_masked(xf, scale, bias, mask, eps, center, dtype):
     """SAFE with a mask: compressed rows, masked mean / variance, degenerate rows -> 0."""
-    e = _range_exponent(xf, axis=-1, keepdims=True)
-    xs = xf * _pow2(-e)
     mask = jnp.broadcast_to(mask, xf.shape)
-    if center:
-        n = jnp.maximum(jnp.sum(mask, -1, keepdims=True), 1).astype(_F32)
-        xs = xs - jnp.sum(jnp.where(mask, xs, 0.0), -1, keepdims=True) / n
-    inv = _safe_inv_std(xs, eps * _pow2(-2 * e), mask)
-    y = _affine(xs * inv, _f32(scale), _f32(bias))
-    return y, {
-        "inv_std": probe.op_stats(inv * _pow2(-e)),
-        "input_rms": _safe_probe_rms(xf, dtype, mask),
-    }
+    st, xc, inv = _safe_probes(xf, eps, center, dtype, mask)
+    return _affine(xc * inv, _f32(scale), _f32(bias)), st
 
 
 def _norm_safe(x, scale, bias, mask, *, eps, center, fast_var):
@@ -159,11 +141,7 @@ def _norm_safe(x, scale, bias, mask, *, eps, center, fast_var):
         y = _kernels().safe_layer_norm(xf, _f32(scale), _f32(bias), eps=eps)
     else:
         y = _kernels().safe_rms_norm(xf, _f32(scale), eps=eps)
-    st = {
-        "inv_std": _safe_probe_inv_std(xf, eps, center),
-        "input_rms": _safe_probe_rms(xf, x.dtype),
-    }
-    return _saturate(y, x.dtype), st
+    return _saturate(y, x.dtype), _safe_probes(xf, eps, center, x.dtype)[0]
 
 
 def _f32(a):
