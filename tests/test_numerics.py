@@ -54,3 +54,22 @@ def test_host_check_skips_keys_and_sees_complex():
     assert numerics.tree_is_finite(tree)
     tree["c"] = np.asarray([1 + 1j * np.inf], np.complex64)  # only the imaginary part is bad
     assert numerics.first_nonfinite(tree) == "['c']"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, jnp.bfloat16])
+@pytest.mark.parametrize("bad", [None, "small", "large"])
+def test_sum_of_squares_matches_float64_with_small_leaves_batched(dtype, bad):
+    rng = np.random.default_rng(0)
+    # leaves on both sides of SMALL_LEAF: the small ones are reduced as one vector
+    shapes = [(3,), (64, 64), (7, 5), (), (numerics.SMALL_LEAF,), (2, 3, 4)]
+    leaves = [rng.normal(size=s).astype(np.float32) * 3 for s in shapes]
+    tree = {f"p{i}": jnp.asarray(x).astype(dtype) for i, x in enumerate(leaves)}
+    if bad is not None:
+        key = "p2" if bad == "small" else "p1"
+        tree[key] = tree[key].at[(0,) * tree[key].ndim].set(jnp.inf)
+    got = float(jax.jit(numerics.sum_of_squares)(tree))
+    ref = sum(float(np.sum(np.square(np.asarray(x, np.float64)))) for x in tree.values())
+    if bad is None:
+        assert got == pytest.approx(ref, rel=1e-5)
+    else:
+        assert not np.isfinite(got)
