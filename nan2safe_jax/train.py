@@ -362,7 +362,7 @@ def train_step(
     new_gs = numerics.select_tree(polluted, gs, new_gs)  # data faults never move the gears
     keep = lambda new, old: numerics.select_tree(ok, new, old)
     params = keep(optax_lib.apply_updates(state.params, updates), state.params)
-    opt_state = numerics.select_tree(polluted | bad_update, state.opt_state, new_opt)
+    opt_state = jax.lax.cond(polluted | bad_update, lambda: state.opt_state, lambda: new_opt)
     new_rest = keep(new_rest, state.rest)
     det = keep(det, state.detector)
     update_stats = keep(
