@@ -173,10 +173,7 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
 
     Unlike ``optax.apply_if_finite``, it never applies a non-finite update, however many come in
     a row: a run that keeps producing NaN stalls visibly (``streak``) instead of poisoning its
-    parameters. ``inner`` runs on every step and a select keeps the old state on a skipped
-    one: the select fuses into ``inner``'s own elementwise kernels, where a ``lax.cond`` around
-    ``inner`` compiled its plumbing again (a sixth of the train step's kernels) to save the
-    work of the rare skipped step.
+    parameters. The skipped branch is not computed (``lax.cond``).
     """
     inner = optax.with_extra_args_support(inner)
 
@@ -187,9 +184,15 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
     def update_fn(updates, state, params=None, *, finite=None, **extra):
         ok = _finite(updates, finite)
 
-        new_updates, new_inner = inner.update(updates, state.inner, params, finite=ok, **extra)
-        new_updates = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, 0), new_updates)
-        new_inner = select_tree(ok, new_inner, state.inner)
+        def apply(args):
+            u, s = args
+            return inner.update(u, s, params, finite=ok, **extra)
+
+        def skip(args):
+            u, s = args
+            return jax.tree_util.tree_map(jnp.zeros_like, u), s
+
+        new_updates, new_inner = jax.lax.cond(ok, apply, skip, (updates, state.inner))
         streak = jnp.where(ok, 0, saturating_add(state.streak))
         skipped = jnp.where(ok, state.skipped, saturating_add(state.skipped))
         return new_updates, SkipState(new_inner, skipped, streak)
