@@ -31,6 +31,8 @@ nan2safe (the FAST-only program: what the first step waits for) and general (the
 program, which a run compiles in a background thread after its first step), each
 arm in a fresh subprocess (no cache shared between arms; the persistent compilation cache is
 off), with its peak RSS; a child past ``--rss-cap-gb`` is killed and reported as such.
+``--repeats N`` runs each arm N times (arms interleaved) and reports the medians: the plain
+step's own compile time moves by ±25% between single runs on this machine.
 ``--scan-layers`` builds the nan2safe model with ``nnx.scan`` over stacked blocks (the plain
 arm stays a Python loop: flax's usual layout). The GPT-2-small shape:
 ``--compile --layers 12 --d-model 768 --heads 12 --seq 256 --dtype float16``.
@@ -252,9 +254,11 @@ def _timing_table(record: dict) -> list[str]:
 
 
 def _compile_table(rec: dict) -> list[str]:
+    reps = rec.get("repeats", 1)
     lines = [
         f"`{rec['command']}`",
-        f"backend {rec['backend']}  dtype {rec['dtype']}  scan_layers {rec['scan_layers']}",
+        f"backend {rec['backend']}  dtype {rec['dtype']}  scan_layers {rec['scan_layers']}"
+        + (f"  median of {reps} runs per arm" if reps > 1 else ""),
         _model_line(rec),
         f"{'arm':<10} {'trace s':>8} {'compile s':>10} {'peak RSS GB':>12}",
     ]
@@ -262,7 +266,10 @@ def _compile_table(rec: dict) -> list[str]:
         if r.get("error"):
             lines.append(f"{k:<10} {r['error']}")
             continue
-        lines.append(f"{k:<10} {r['lower_s']:8.1f} {r['compile_s']:10.1f} {r['rss_gb']:12.2f}")
+        line = f"{k:<10} {r['lower_s']:8.1f} {r['compile_s']:10.1f} {r['rss_gb']:12.2f}"
+        if len(r.get("compile_s_runs", ())) > 1:
+            line += "   compile runs " + " ".join(f"{t:.1f}" for t in r["compile_s_runs"])
+        lines.append(line)
     if rec.get("ratio") is not None:
         lines.append(f"compile ratio nan2safe / plain: {rec['ratio']:.2f}x")
     if rec.get("ratio_general") is not None:
@@ -340,10 +347,12 @@ def _compile_main(args, argv) -> dict:
     if "--json" in argv:
         i = argv.index("--json")
         del argv[i : i + 2]
-    arms = {
-        a: _run_child(argv, a, args.rss_cap_gb, args.child_timeout)
-        for a in ("plain", "nan2safe", "general")
-    }
+    names = ("plain", "nan2safe", "general")
+    runs: dict[str, list[dict]] = {a: [] for a in names}
+    for _ in range(args.repeats):  # arms interleaved, so a slow spell hits all of them
+        for a in names:
+            runs[a].append(_run_child(argv, a, args.rss_cap_gb, args.child_timeout))
+    arms = {a: _median_run(r) for a, r in runs.items()}
     ratio = lambda a: (  # noqa: E731
         arms[a]["compile_s"] / arms["plain"]["compile_s"]
         if "compile_s" in arms[a] and "compile_s" in arms["plain"]
@@ -361,6 +370,7 @@ def _compile_main(args, argv) -> dict:
         "d_model": args.d_model,
         "heads": args.heads,
         "seq": args.seq,
+        "repeats": args.repeats,
         "command": _command(orig),
     }
     label = f"{args.layers}L d{args.d_model} seq{args.seq} {args.dtype}"
@@ -371,6 +381,20 @@ def _compile_main(args, argv) -> dict:
         doc.setdefault("compile", {})[label] = rec
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1))
+    return rec
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """One arm's record over its repeats: the median ``lower_s`` and ``compile_s`` (each run's
+    in ``*_runs``) and the largest peak RSS; the first error if no run finished."""
+    ok = [r for r in runs if "compile_s" in r]
+    if not ok:
+        return runs[0]
+    rec = {k: statistics.median(r[k] for r in ok) for k in ("lower_s", "compile_s")}
+    rec |= {f"{k}_runs": [r[k] for r in ok] for k in ("lower_s", "compile_s")}
+    rec["rss_gb"] = max(r["rss_gb"] for r in runs)
+    if len(ok) < len(runs):
+        rec["failed_runs"] = [r["error"] for r in runs if "compile_s" not in r]
     return rec
 
 
@@ -397,6 +421,7 @@ def main(argv=None):
     ap.add_argument("--arms", help="comma-separated arms to time instead (plain first)")
     ap.add_argument("--compile", action="store_true", help="time lower + compile per arm")
     ap.add_argument("--rss-cap-gb", type=float, default=5.0)
+    ap.add_argument("--repeats", type=int, default=1, help="--compile: runs per arm (median)")
     ap.add_argument("--child-timeout", type=float, default=600.0)
     ap.add_argument("--compile-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
