@@ -239,3 +239,18 @@ def test_decide_compiles_to_a_size_linear_in_the_sites():
 
     small, large = hlo_lines(24), hlo_lines(96)
     assert large < 6 * small, (small, large)
+
+
+@pytest.mark.parametrize("risk, bad", [(0.0, False), (0.9, False), (0.0, True)])
+def test_decide_with_sites_known_fast_is_decide(risk, bad):
+    gs = GearState.create({"a": (), "stack": (3,)})
+    gs = gs.replace(calm=jnp.int32(CFG.recovery_window), downshifts=jnp.int32(2))
+    for calm in (True, False):
+        ref = G.decide(gs, risk, bad, CFG, calm=calm)
+        got = G.decide(gs, risk, bad, CFG, calm=calm, sites_fast=True)
+        assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(ref)
+        for a, b in zip(
+            jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref), strict=True
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            assert a.dtype == b.dtype
