@@ -91,6 +91,12 @@ def dynamic_loss_scale(cfg: Config) -> optax.GradientTransformationExtraArgs:
 # --------------------------------------------------------------------------- clipping
 
 
+def _times(u: jax.Array, k: jax.Array) -> jax.Array:
+    """``u * k`` computed in f32 (an fp16 update times a loss-scale factor like 2**-24 would
+    round it away), in ``u``'s dtype."""
+    return (u.astype(jnp.float32) * k).astype(u.dtype)
+
+
 class GearedClipState(NamedTuple):
     clipped: jax.Array  # i32[] steps clipped so far (saturating)
 
@@ -104,8 +110,16 @@ def geared_clip(
     taken from the extra argument ``grad_norm`` when the caller has it already), and a
     non-finite norm scales the update to zero instead of turning it into NaN.
 
+    The extra argument ``grad_unscale`` (a scalar; ``grad_norm`` must then be given, of the
+    unscaled gradients) says the updates are still loss-scaled: each is multiplied by it, in
+    f32, in the same pass as the clip. The train step passes the loss-scaled gradients so:
+    behind ``guard``'s skip ``cond`` the unscale then fuses with the clip and the optimizer,
+    where a separate unscale was one more kernel per parameter (and a skipped step computes
+    none of it).
+
     Args:
-      max_norm: FAST threshold; ``None`` passes updates through.
+      max_norm: FAST threshold; ``None`` passes updates through (unscaled, with
+        ``grad_unscale``).
       factors: threshold factor for FAST, STABLE and SAFE.
     """
     factors = tuple(float(f) for f in factors)
@@ -116,17 +130,28 @@ def geared_clip(
         del params
         return GearedClipState(clipped=jnp.zeros([], jnp.int32))
 
-    def update_fn(updates, state, params=None, *, gear=None, grad_norm=None, **extra):
+    def update_fn(
+        updates, state, params=None, *, gear=None, grad_norm=None, grad_unscale=None, **extra
+    ):
         del params, extra
+        if grad_unscale is not None and grad_norm is None:
+            raise ValueError("geared_clip: grad_unscale needs grad_norm (of the unscaled updates)")
         if max_norm is None:
-            return updates, state
+            if grad_unscale is None:
+                return updates, state
+            k = jnp.asarray(grad_unscale, jnp.float32)
+            return jax.tree_util.tree_map(lambda u: _times(u, k), updates), state
         thr = max_norm * jnp.asarray(factors, jnp.float32)[jnp.clip(_level(gear), 0, 2)]
         norm = global_norm(updates) if grad_norm is None else grad_norm
         ok = jnp.isfinite(norm)
         factor = jnp.where(ok, jnp.minimum(1.0, thr / jnp.maximum(norm, 1e-30)), 0.0)
+        if grad_unscale is None:
+            scale = lambda u: u * factor.astype(u.dtype)  # noqa: E731
+        else:
+            k = factor * jnp.asarray(grad_unscale, jnp.float32)
+            scale = lambda u: _times(u, k)  # noqa: E731
         clipped = jax.tree_util.tree_map(
-            lambda u: jnp.where(jnp.isfinite(u), u * factor.astype(u.dtype), 0).astype(u.dtype),
-            updates,
+            lambda u: jnp.where(jnp.isfinite(u), scale(u), 0).astype(u.dtype), updates
         )
         hit = (factor < 1.0).astype(jnp.int32)
         return clipped, GearedClipState(saturating_add(state.clipped, hit))
@@ -254,7 +279,8 @@ def guard(inner: optax.GradientTransformation, cfg: Config | None = None):
 
     Returns:
       A ``GradientTransformationExtraArgs`` whose ``update`` takes ``gear=`` (a ``GearState``)
-      and optionally ``finite=``; its state is a ``GuardState``.
+      and optionally ``finite=``, ``grad_norm=`` and, for loss-scaled gradients,
+      ``grad_unscale=`` (see ``geared_clip``); its state is a ``GuardState``.
     """
     cfg = cfg or Config()
     factors = (1.0, cfg.clip_downshift, cfg.clip_downshift)

@@ -275,9 +275,9 @@ def train_step(
     if fast_only:  # the gear variables go back to the state's (int32) values
         new_rest = _keep_gears(state, new_rest)
     inv_scale = 1.0 / scale
-    grads = jax.tree_util.tree_map(
-        lambda g: (g.astype(jnp.float32) * inv_scale).astype(g.dtype), sgrads
-    )
+    # The guard unscales the gradients behind its skip ``cond``, fused with its clip
+    # (``optax.geared_clip``); without a guard there is no loss scale (``scale`` is 1).
+    unscale = {"grad_unscale": inv_scale} if guard_lib.is_guarded(state.opt_state) else {}
     loss32 = jnp.asarray(loss, jnp.float32)
     # One sweep over the scaled gradients gives both their finiteness (a NaN or inf anywhere
     # makes the sum non-finite) and the gradient norm. A sum that overflows f32 with finite
@@ -327,13 +327,14 @@ def train_step(
         )
     applied = finite & ~polluted
     updates, new_opt = state.tx.update(
-        grads,
+        sgrads,
         state.opt_state,
         state.params,
         gear=decided,
         finite=applied,
         grad_norm=grad_norm,
         lr_factors=factors,
+        **unscale,
     )
     # One f32 pass, no overflow-safe rescale (``numerics.global_norm`` compiles a second pass per
     # leaf for it): an update whose norm passes ~1.8e19 reads as non-finite, a fault all the same.

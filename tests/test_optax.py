@@ -60,6 +60,36 @@ def test_geared_clip_matches_optax_at_the_geared_threshold(gear, factor):
     assert int(state.clipped) == 1
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("max_norm", [2.0, None])
+def test_geared_clip_unscales_loss_scaled_updates_like_unscaling_first(dtype, max_norm):
+    """``grad_unscale``: loss-scaled gradients in, the clip of the unscaled ones out (the
+    reference unscales and clips in float64), in the gradients' dtype."""
+    scale = 2.0**10
+    scaled = {"w": jnp.asarray(np.asarray([3.0, -4.0, 12.0, 5e-3]) * scale, dtype)}
+    unscaled = np.asarray(scaled["w"], np.float64) / scale
+    norm = np.sqrt(np.sum(unscaled**2))
+    tx = n2s_optax.geared_clip(max_norm)
+    out, _ = tx.update(
+        scaled,
+        tx.init(scaled),
+        gear=jnp.int32(Gear.FAST),
+        grad_norm=jnp.float32(norm),
+        grad_unscale=jnp.float32(1.0 / scale),
+    )
+    factor = 1.0 if max_norm is None else min(1.0, max_norm / norm)
+    assert out["w"].dtype == dtype
+    tol = {jnp.float32: 1e-6, jnp.float16: 1e-3, jnp.bfloat16: 1e-2}[dtype]
+    np.testing.assert_allclose(np.asarray(out["w"], np.float64), unscaled * factor, rtol=tol)
+
+
+def test_geared_clip_unscale_without_the_norm_is_an_error():
+    g = {"w": jnp.ones((2,))}
+    tx = n2s_optax.geared_clip(1.0)
+    with pytest.raises(ValueError, match="grad_norm"):
+        tx.update(g, tx.init(g), grad_unscale=jnp.float32(0.5))
+
+
 def test_geared_clip_fp16_norm_does_not_overflow():
     g = {"w": jnp.full((4,), 300.0, jnp.float16)}  # sum of squares = 360000 > fp16 max
     out, _ = n2s_optax.geared_clip(1.0).update(g, n2s_optax.GearedClipState(jnp.int32(0)))
