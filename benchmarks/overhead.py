@@ -19,7 +19,11 @@ Variants are interleaved over rounds so machine drift hits both alike; each roun
              without any probe statistic;
   safe_attn — the nan2safe model with one attention site (``blocks.0.attn``) held in SAFE for
              the whole run (``safe_max_steps`` past the run's length): what a located fault
-             costs every step until the site recovers (the write-up's figure: <= 1.08x).
+             costs every step until the site recovers (the write-up's figure: <= 1.08x). Timed
+             once its partial program (nan2safe_jax.programs), built in the background from
+             its first step, is ready; until then the general program runs its steps;
+  safe_attn_general — the same state through the general program alone
+             (``fast_program=False``): what those first steps cost.
 ``--arms plain,guard,guard_general`` times the arms named instead; ``guard_general`` is the
 ``guard`` arm with ``make_train_step(fast_program=False)``: no host read of ``next_all_fast``
 before each dispatch (the plain model has no sites, so its two programs are the same).
@@ -54,6 +58,7 @@ the N devices are simulated: the script re-executes itself with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -154,19 +159,35 @@ def make_plain(cfg, tx, rules=None):
     return run
 
 
-def make_n2s(cfg, tx, rules=None, n2s_cfg=None, model=None, loss_fn=lm_loss, fast_program=True):
+def make_n2s(
+    cfg,
+    tx,
+    rules=None,
+    n2s_cfg=None,
+    model=None,
+    loss_fn=lm_loss,
+    fast_program=True,
+    background=False,
+):
     """The nan2safe arm; ``model``/``loss_fn`` default to the example transformer (the guard
     ablation passes the plain model and its loss). ``run.lower`` lowers the program an all-FAST
-    state runs (the general one with ``fast_program=False``)."""
+    state runs (the general one with ``fast_program=False``). ``background``: the step's
+    background compiles on (the partial program of a state with a site out of FAST);
+    ``run.wait()`` waits for them, ``run.program()`` names the program of the last step."""
     model = Transformer(cfg, rngs=nnx.Rngs(0)) if model is None else model
     n2s_cfg = nan2safe.Config() if n2s_cfg is None else n2s_cfg
     state = nan2safe.TrainState.create(model, nan2safe.optax.guard(tx), n2s_cfg)
-    step = nan2safe.make_train_step(loss_fn, rules=rules, fast_program=fast_program)
+    with _background(background):
+        step = nan2safe.make_train_step(loss_fn, rules=rules, fast_program=fast_program)
     carry = [state]
 
     def run(batch):
-        carry[0], m = step(carry[0], batch)
+        with _background(background):  # a sharded step builds its programs at its first call
+            carry[0], m = step(carry[0], batch)
         return m["loss"]
+
+    run.wait = step.wait_compiled
+    run.program = lambda: step.programs[0].last_program if step.programs else "general"
 
     program = step.jitted_fast if fast_program else step.jitted
     run.lower = lambda batch: program.lower(carry[0], batch)
@@ -179,6 +200,20 @@ def make_n2s(cfg, tx, rules=None, n2s_cfg=None, model=None, loss_fn=lm_loss, fas
     return run
 
 
+@contextlib.contextmanager
+def _background(on: bool):
+    """``NAN2SAFE_BACKGROUND_COMPILE`` set to ``on`` inside the block."""
+    old = os.environ.get("NAN2SAFE_BACKGROUND_COMPILE")
+    os.environ["NAN2SAFE_BACKGROUND_COMPILE"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["NAN2SAFE_BACKGROUND_COMPILE"]
+        else:
+            os.environ["NAN2SAFE_BACKGROUND_COMPILE"] = old
+
+
 def make_arm(name, cfg, tx, rules=None):
     """One arm of the comparison by name (see the module docstring)."""
     if name == "plain":
@@ -189,9 +224,10 @@ def make_arm(name, cfg, tx, rules=None):
         return make_n2s(cfg, tx, rules, fast_program=False)
     if name == "noprobe":
         return make_n2s(cfg, tx, rules, n2s_cfg=nan2safe.Config(probes=()))
-    if name == "safe_attn":
+    if name in ("safe_attn", "safe_attn_general"):
         n2s_cfg = nan2safe.Config(safe_max_steps=10**6)
-        run = make_n2s(cfg, tx, rules, n2s_cfg=n2s_cfg)
+        partial = name == "safe_attn"
+        run = make_n2s(cfg, tx, rules, n2s_cfg=n2s_cfg, fast_program=partial, background=partial)
         run.set_site("blocks.0.attn", nan2safe.Gear.SAFE, n2s_cfg)
         return run
     if name in ("guard", "guard_general"):
@@ -237,12 +273,15 @@ def _timing_table(record: dict) -> list[str]:
     if record.get("sharding"):
         lines.append(f"sharding: {record['sharding']}  mesh {record['mesh']}")
     cpu = record.get("cpu_median_s")
-    head = f"{'arm':<10} {'min ms':>9} {'median ms':>10} {'max ms':>9} {'x plain':>8}"
+    w = max(10, *(len(k) for k in record["times_s"]))
+    head = f"{'arm':<{w}} {'min ms':>9} {'median ms':>10} {'max ms':>9} {'x plain':>8}"
     lines.append(head + (f" {'cpu ms':>9} {'cpu x':>7}" if cpu else ""))
     base = record["median_s"]["plain"]
     for k, v in record["times_s"].items():
         med = record["median_s"][k]
-        row = f"{k:<10} {min(v) * 1e3:9.2f} {med * 1e3:10.2f} {max(v) * 1e3:9.2f} {med / base:8.3f}"
+        row = (
+            f"{k:<{w}} {min(v) * 1e3:9.2f} {med * 1e3:10.2f} {max(v) * 1e3:9.2f} {med / base:8.3f}"
+        )
         if cpu:
             row += f" {cpu[k] * 1e3:9.2f} {cpu[k] / cpu['plain']:7.3f}"
         lines.append(row)
@@ -250,6 +289,9 @@ def _timing_table(record: dict) -> list[str]:
         lines.append(f"ratio nan2safe / plain (median): {record['ratio']:.3f}x")
         if cpu:
             lines.append(f"ratio on the CPU clock (median): {cpu['nan2safe'] / cpu['plain']:.3f}x")
+    ran = record.get("programs", {})
+    if ran:
+        lines.append("program timed: " + ", ".join(f"{k} {p}" for k, p in ran.items()))
     return lines
 
 
@@ -441,7 +483,9 @@ def main(argv=None):
     if rules is not None:
         batches = [nan2safe.sharding.shard_batch(b, rules) for b in batches]
     names = ["plain", "nan2safe"]
-    names += ["general", "guard", "noprobe", "safe_attn"] if args.ablation else []
+    names += (
+        ["general", "guard", "noprobe", "safe_attn", "safe_attn_general"] if args.ablation else []
+    )
     if args.arms:
         names = args.arms.split(",")
         if names[0] != "plain":
@@ -449,6 +493,11 @@ def main(argv=None):
     arms = {k: make_arm(k, cfg, tx, rules) for k in names}
     for run in arms.values():  # compile and warm up
         time_steps(run, batches, 3)
+    for run in arms.values():  # background compiles (safe_attn's partial program) done
+        if hasattr(run, "wait"):
+            run.wait()
+            time_steps(run, batches, 1)
+    programs = {k: run.program() for k, run in arms.items() if hasattr(run, "program")}
     times = {k: [] for k in arms}
     cpu = {k: [] for k in arms}
     for _ in range(args.rounds):
@@ -476,6 +525,7 @@ def main(argv=None):
         "layers": args.layers,
         "d_model": args.d_model,
         "seq": cfg.seq_len,
+        "programs": programs,
         "command": _command(argv),
     }
     print(table(record))

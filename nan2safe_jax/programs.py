@@ -23,6 +23,16 @@ for a compile only when it comes before that compile has finished. A script that
 compile runs waits for it (XLA cannot be stopped mid-compile; a daemon thread would crash the
 exit). ``NAN2SAFE_BACKGROUND_COMPILE=0`` turns it off: the other program then compiles when it is
 first needed (the test suite does this: its runs are short).
+
+After an incident one site sits in SAFE, then STABLE (``safe_max_steps`` plus at least
+``recovery_window`` steps: 72 by default) while every other gear is FAST. The general program
+would run all those steps with a switch per op of every site. So, with the background compile
+on, such a state also starts a **partial program** in the background: ``train_step`` with the
+FAST sites' gears FAST at trace time (``fast_sites``) and a switch only in the sites that are
+not FAST. Its key is the set of FAST sites; the general program runs the steps until it is
+ready (a step never waits for it), and the set's gear changes (SAFE -> STABLE) run in it
+without a recompile. At most ``max_partial`` (4) are built per step function; a state whose level
+is not FAST, or with no FAST site, runs the general program.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ import numpy as np
 
 from nan2safe_jax import gear as gear_lib
 
-__all__ = ["StepPrograms", "all_fast", "background_default"]
+__all__ = ["StepPrograms", "all_fast", "background_default", "fast_sites"]
 
 
 def background_default() -> bool:
@@ -58,6 +68,22 @@ def all_fast(gs: gear_lib.GearState) -> bool:
     return all(not np.any(np.asarray(x) > int(gear_lib.Gear.FAST)) for x in leaves)
 
 
+def fast_sites(gs: gear_lib.GearState) -> frozenset[str] | None:
+    """The sites whose gear is FAST (every layer of a stacked one), read on the host; None when
+    the level is not FAST (then every site's effective gear is above FAST)."""
+    level, sites = jax.device_get((gs.level, dict(gs.sites)))
+    if np.any(np.asarray(level) > int(gear_lib.Gear.FAST)):
+        return None
+    fast = int(gear_lib.Gear.FAST)
+    return frozenset(k for k, g in sites.items() if not np.any(np.asarray(g) > fast))
+
+
+def _done(result: Any) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(result)
+    return future
+
+
 def _abstract(tree: Any) -> Any:
     """``tree`` with each array replaced by its shape, dtype, weak type and sharding."""
 
@@ -72,22 +98,34 @@ def _abstract(tree: Any) -> Any:
 
 
 class StepPrograms:
-    """Runs a step with the FAST-only or the general program (see the module docstring).
+    """Runs a step with the FAST-only, a partial or the general program (see the module doc).
 
     Args:
       fast: the jitted FAST-only step ``(state, batch) -> (state, metrics)``.
       general: the jitted general step, same signature.
       background: compile the other program in a background thread after the first step
-        (default: ``background_default()``).
+        (default: ``background_default()``), and the partial programs.
+      partial: ``sites -> `` the jitted partial step with ``sites`` FAST at trace time; None
+        builds none.
+      max_partial: the most partial programs built.
     """
 
-    def __init__(self, fast: Callable, general: Callable, background: bool | None = None):
-        self._jit = {True: fast, False: general}
-        self._aot: dict[bool, concurrent.futures.Future] = {}
+    def __init__(
+        self,
+        fast: Callable,
+        general: Callable,
+        background: bool | None = None,
+        partial: Callable[[frozenset[str]], Callable] | None = None,
+        max_partial: int = 4,
+    ):
+        self._jit: dict[Any, Callable] = {True: fast, False: general}
+        self._aot: dict[Any, concurrent.futures.Future] = {}
         self._ran: set[bool] = set()  # programs that have run (compiled by their jit)
         self._background = background_default() if background is None else background
+        self._partial = partial
+        self._max_partial = max_partial
         self._last: tuple[Any, Any] | None = None  # (gears the last step returned, next_all_fast)
-        self.last_program: str | None = None  # "fast" or "general": what ran the last step
+        self.last_program: str | None = None  # "fast", "partial" or "general": the last step's
 
     def is_fast(self, state: Any) -> bool:
         """Whether ``state`` runs the FAST-only program."""
@@ -101,15 +139,39 @@ class StepPrograms:
         other = None
         if self._background and not ({not fast} & (self._ran | set(self._aot))):
             other = _abstract((state, batch))  # before the call: it may donate the state
-        new_state, metrics = self._run(fast, state, batch)
-        self._ran.add(fast)
-        self.last_program = "fast" if fast else "general"
+        key = self._partial_key(state) if not fast else None
+        if key is not None and key not in self._aot:
+            self._compile_later(key, other or _abstract((state, batch)))
+        new_state, metrics = self._run(fast, state, batch, key)
+        if self.last_program != "partial":
+            self._ran.add(fast)
         if other is not None:
             self._compile_later(not fast, other)
         self._last = (new_state.gear, metrics["next_all_fast"])
         return new_state, metrics
 
-    def _run(self, fast: bool, state: Any, batch: Any) -> tuple[Any, dict]:
+    def _partial_key(self, state: Any) -> frozenset[str] | None:
+        """The partial program for a state that is not all FAST: its FAST sites, or None (the
+        general program: no partial programs, a level above FAST, no FAST site, or
+        ``max_partial`` built already for other sets)."""
+        if self._partial is None or not self._background:
+            return None
+        key = fast_sites(state.gear)
+        if not key:
+            return None
+        built = sum(isinstance(k, frozenset) for k in self._aot)
+        return key if key in self._aot or built < self._max_partial else None
+
+    def _run(self, fast: bool, state: Any, batch: Any, partial=None) -> tuple[Any, dict]:
+        future = self._aot.get(partial) if partial is not None else None
+        if future is not None and future.done() and future.result() is not None:
+            try:  # a partial program is used once built, never waited for
+                out = future.result()(state, batch)
+                self.last_program = "partial"
+                return out
+            except (TypeError, ValueError):  # other shapes than it was built for: never again
+                self._aot[partial] = _done(None)
+        self.last_program = "fast" if fast else "general"
         future = self._aot.get(fast)
         exe = future.result() if future is not None else None  # waits if still compiling
         if exe is not None:
@@ -119,16 +181,18 @@ class StepPrograms:
                 self._aot.pop(fast, None)
         return self._jit[fast](state, batch)
 
-    def _compile_later(self, fast: bool, args: tuple) -> None:
+    def _compile_later(self, key: Any, args: tuple) -> None:
         future: concurrent.futures.Future = concurrent.futures.Future()
+        if isinstance(key, frozenset):
+            self._jit[key] = self._partial(key)
 
         def build():
             try:
-                future.set_result(self._jit[fast].lower(*args).compile())
+                future.set_result(self._jit[key].lower(*args).compile())
             except Exception:  # noqa: BLE001 - the jit path compiles it when it is needed
                 future.set_result(None)
 
-        self._aot[fast] = future
+        self._aot[key] = future
         threading.Thread(target=build, name="nan2safe-compile").start()
 
     def wait(self) -> None:

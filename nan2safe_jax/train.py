@@ -125,20 +125,23 @@ class TrainState(struct.PyTreeNode):
         return self.replace(detector=new)
 
 
-def _with_gears(state: TrainState, fast_only: bool = False):
+def _with_gears(state: TrainState, fast_only: bool = False, fast_sites=None):
     """The non-param state with every site's gear variable set to its effective gear.
 
     ``fast_only``: every gear variable holds ``ops.dispatch.fast_only_gear`` (FAST, known at
     trace time), so each site calls its FAST path directly and traces no gear switch at all.
-    ``state.rest`` itself is left as it is (a copy is merged).
+    ``fast_sites`` (a partial program): those sites' gear variables do, and every other site's
+    holds its gear as ``ops.dispatch.switched_gear`` (one plain switch: only the taken path
+    runs). ``state.rest`` itself is left as it is (a copy is merged).
     """
     model = nnx.merge(state.graphdef, state.params, state.rest, copy=True)
     for name, var in site_gears(model).items():
-        if fast_only:
+        if fast_only or (fast_sites is not None and name in fast_sites):
             var.set_value(dispatch.fast_only_gear(jnp.shape(var.get_value())))
         elif name in state.gear.sites:
             eff = gear_lib.effective(state.gear, name)
-            var.set_value(jnp.broadcast_to(eff, jnp.shape(var.get_value())).astype(jnp.int32))
+            eff = jnp.broadcast_to(eff, jnp.shape(var.get_value())).astype(jnp.int32)
+            var.set_value(eff if fast_sites is None else dispatch.switched_gear(eff))
     _, _, rest = nnx.split(model, nnx.Param, ...)
     return rest
 
@@ -149,6 +152,17 @@ def _keep_gears(state: TrainState, rest):
     old = site_gears(nnx.merge(state.graphdef, state.params, state.rest, copy=True))
     for name, var in site_gears(model).items():
         var.set_value(old[name].get_value())
+    _, _, rest = nnx.split(model, nnx.Param, ...)
+    return rest
+
+
+def _int32_gears(state: TrainState, rest):
+    """``rest`` with every site's gear variable back in int32 (a partial program traced them
+    as ``uint8`` FAST or ``int16`` switched gears): the effective gears, as the general program
+    writes them."""
+    model = nnx.merge(state.graphdef, state.params, rest, copy=True)
+    for var in site_gears(model).values():
+        var.set_value(jnp.asarray(var.get_value()).astype(jnp.int32))
     _, _, rest = nnx.split(model, nnx.Param, ...)
     return rest
 
@@ -242,6 +256,7 @@ def train_step(
     lr_schedule: Callable | None = None,
     has_aux: bool = False,
     fast_only: bool = False,
+    fast_sites: frozenset[str] | None = None,
 ) -> tuple[TrainState, dict]:
     """One step (un-jitted); ``make_train_step`` jits it. See the module docstring.
 
@@ -251,6 +266,11 @@ def train_step(
     transitions, learning-rate factors) still runs on the state's gears, so it computes what
     the general step computes for such a state, next gears included.
 
+    ``fast_sites`` (without ``fast_only``): a *partial* program, for a state whose level and
+    these sites are FAST while the other sites are not (one site in SAFE after an incident):
+    these sites run their FAST path as plain code, the others one plain switch per op (only
+    the taken path runs), and the gear logic is the general step's (``nan2safe_jax.programs``).
+
     A step that is not applied (``metrics["skipped"]``) returns every variable of the state as
     it was — parameters, optimizer state, the model's other variables (BatchNorm statistics),
     detector baselines — except the gears, the loss scale after a model fault (it must back
@@ -259,7 +279,7 @@ def train_step(
     """
     cfg = state.cfg
     gs = state.gear
-    rest = _with_gears(state, fast_only)
+    rest = _with_gears(state, fast_only, fast_sites)
     scale = guard_lib.loss_scale_of(state.opt_state)
     # One reduction over the batch's floating leaves; under sharding it is a global reduction in
     # the one SPMD program, so every process reads the same verdict.
@@ -274,6 +294,8 @@ def train_step(
     )
     if fast_only:  # the gear variables go back to the state's (int32) values
         new_rest = _keep_gears(state, new_rest)
+    elif fast_sites is not None:
+        new_rest = _int32_gears(state, new_rest)
     inv_scale = 1.0 / scale
     # The guard unscales the gradients behind its skip ``cond``, fused with its clip
     # (``optax.geared_clip``); without a guard there is no loss scale (``scale`` is 1).
@@ -477,13 +499,20 @@ def make_train_step(
     compiled_fast = jax.jit(fast_fn, donate_argnums=donate_argnums) if jit else fast_fn
     programs: list[StepPrograms] = []
 
-    def with_fast_program(general: Callable, fast: Callable) -> Callable:
+    def partial_programs(**kw) -> Callable:
+        """``sites -> `` the partial program (``train_step(fast_sites=sites)``) jitted with
+        ``kw``."""
+        return lambda sites: jax.jit(functools.partial(fn, fast_sites=sites), **kw)
+
+    def with_fast_program(general: Callable, fast: Callable, partial: Callable) -> Callable:
         if not (jit and fast_program):
             return general
-        programs.append(StepPrograms(fast, general))
+        programs.append(StepPrograms(fast, general, partial=partial))
         return programs[-1]
 
-    run = with_fast_program(compiled, compiled_fast)
+    run = with_fast_program(
+        compiled, compiled_fast, partial_programs(donate_argnums=donate_argnums)
+    )
     checked: dict[tuple, tuple] = {}
     sharded: dict[tuple, Callable] = {}
     last_out: list = [None]  # the state this step returned last: already on the mesh
@@ -508,7 +537,9 @@ def make_train_step(
                 out_shardings=(state_sh, rules.replicated),
                 donate_argnums=donate_argnums,
             )
-            f = sharded[key] = with_fast_program(jax.jit(fn, **kw), jax.jit(fast_fn, **kw))
+            f = sharded[key] = with_fast_program(
+                jax.jit(fn, **kw), jax.jit(fast_fn, **kw), partial_programs(**kw)
+            )
         new_state, metrics = f(state, batch)
         last_out[0] = new_state
         return new_state, metrics

@@ -149,3 +149,84 @@ def test_a_fast_only_gear_traces_no_switch_even_sliced_inside_scan_or_an_inner_j
     assert float(jax.core.eval_jaxpr(fast.jaxpr, fast.consts, x, np.zeros(3, np.uint8))[0]) == 8
     out = jax.core.eval_jaxpr(general.jaxpr, general.consts, x, jnp.full((3,), 2, jnp.int32))
     assert float(out[0]) == 64.0
+
+
+def test_one_site_out_of_fast_runs_a_partial_program_with_the_general_programs_numbers(
+    monkeypatch,
+):
+    """With the background compile on, a state with one site in SAFE (every other gear FAST)
+    starts a partial program: the general one runs the steps until it is built, then it runs
+    them, with the general program's numbers, through SAFE -> STABLE without another build;
+    a level above FAST goes back to the general program."""
+    monkeypatch.setenv("NAN2SAFE_BACKGROUND_COMPILE", "1")
+    cfg = Config(safe_max_steps=2)
+    step = make_train_step(loss_fn)
+    general = make_train_step(loss_fn, fast_program=False)
+    x, y = data(6)
+    a = _state(cfg=cfg)
+    a = b = a.replace(gear=G.set_site(a.gear, "norm", Gear.SAFE, cfg=cfg))
+    ran = []
+    for i in range(5):
+        a, ma = step(a, (x[i], y[i]))
+        b, mb = general(b, (x[i], y[i]))
+        ran.append((_program(step), int(ma["site_gears"]["norm"])))
+        for k in ("loss", "grad_norm", "risk", "next_gear", "skipped"):
+            np.testing.assert_allclose(np.asarray(ma[k]), np.asarray(mb[k]), rtol=1e-5, err_msg=k)
+        np.testing.assert_array_equal(ma["site_gears"]["norm"], mb["site_gears"]["norm"])
+        step.wait_compiled()
+    assert ran[0] == ("general", Gear.SAFE)
+    assert ran[1:] == [
+        ("partial", Gear.SAFE),
+        ("partial", Gear.STABLE),
+        ("partial", Gear.STABLE),
+        ("partial", Gear.STABLE),
+    ], ran
+    assert list(step.programs[0]._aot).count(frozenset({"fc1", "fc2"})) == 1
+    for la, lb in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_allclose(
+            np.asarray(la, np.float32), np.asarray(lb, np.float32), rtol=1e-5, atol=1e-6
+        )
+    a = a.replace(gear=G.set_level(a.gear, Gear.STABLE))
+    a, _ = step(a, (x[5], y[5]))
+    assert _program(step) == "general"
+
+
+def test_the_partial_program_traces_a_switch_only_in_the_sites_not_fast():
+    from nan2safe_jax.train import train_step
+
+    state = _state()
+    x, y = data(1)
+    batch = (x[0], y[0])
+
+    def conds(**kw):
+        return _conds(jax.make_jaxpr(lambda s, b: train_step(s, b, loss_fn, **kw))(state, batch))
+
+    fast, general = conds(fast_only=True), conds()
+    norm_only = conds(fast_sites=frozenset({"fc1", "fc2"}))
+    assert fast < norm_only < general, (fast, norm_only, general)
+
+
+@pytest.mark.parametrize("gear", [Gear.FAST, Gear.STABLE, Gear.SAFE])
+def test_a_switched_gear_runs_only_the_taken_path_with_its_own_gradient(gear):
+    """``switched_gear``: one plain ``lax.switch`` (no FAST computed and dropped), the value and
+    gradient of the taken path, as the int32 gear's switch gives them."""
+    from nan2safe_jax.ops import dispatch
+
+    branches = [lambda x: jnp.sin(x) * 2.0, lambda x: jnp.cos(x) * 3.0, lambda x: x**3]
+    x = jnp.linspace(-1.0, 1.0, 5)
+
+    def f(g, x):
+        return jnp.sum(dispatch.switch(g, branches, x))
+
+    plain = jax.make_jaxpr(jax.grad(f, argnums=1))(dispatch.switched_gear(gear), x)
+    assert _conds(plain.jaxpr) == 2  # forward and backward
+    top = {e.primitive.name for e in plain.jaxpr.eqns}
+    assert "sin" not in top and "cos" not in top  # FAST is not computed outside the switch
+    geared = jax.make_jaxpr(jax.grad(f, argnums=1))(jnp.int32(gear), x)
+    assert "sin" in {e.primitive.name for e in geared.jaxpr.eqns}  # the int32 gear's is
+    got = jax.value_and_grad(f, argnums=1)(dispatch.switched_gear(gear), x)
+    want = jax.value_and_grad(lambda x: jnp.sum(branches[gear](x)))(x)
+    ref = jax.value_and_grad(f, argnums=1)(jnp.int32(gear), x)
+    for a, b, c in zip(got, want, ref, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+        np.testing.assert_allclose(a, c, rtol=1e-6)

@@ -14,6 +14,11 @@ program (``nan2safe_jax.programs``) this way for a state whose gears are all FAS
 marker survives ``nnx.scan``'s per-layer slicing and an inner ``jax.jit`` (whose trace caches key
 on it: an inner function traced for the FAST-only program is never reused by the general one).
 
+A gear of dtype ``SWITCHED`` (int16; ``switched_gear``) is a traced gear expected *not* to be
+FAST: the switch is a plain ``lax.switch`` over the distinct paths, so only the taken path runs,
+forward and backward (no FAST computed and dropped, no second forward in the backward). A
+partial program (``nan2safe_jax.programs``) traces the sites that are out of FAST this way.
+
 Gears whose paths are the same function (an op passes the same callable, decided at trace time
 from the dtype: an f32 ``Linear``'s STABLE *is* its FAST) share one branch: XLA compiles each
 distinct path once, and a gear that maps to a single path needs no ``cond`` at all.
@@ -36,9 +41,18 @@ from nan2safe_jax.site import current_branch_site, scoped
 FAST_ONLY = np.dtype(np.uint8)  # the dtype of a gear that is FAST, known at trace time
 
 
+SWITCHED = np.dtype(np.int16)  # the dtype of a traced gear switched by a plain lax.switch
+
+
 def fast_only_gear(shape: Sequence[int] = ()) -> np.ndarray:
     """A gear of ``shape`` that every ``switch`` traces as FAST alone (see the module doc)."""
     return np.zeros(tuple(shape), FAST_ONLY)
+
+
+def switched_gear(gear: jax.typing.ArrayLike) -> jax.Array:
+    """``gear`` as a gear every ``switch`` traces as one plain ``lax.switch`` (see the module
+    doc): for a site that is expected out of FAST."""
+    return jnp.asarray(gear).astype(SWITCHED)
 
 
 def _static_gear(gear: Any) -> int | None:
@@ -99,11 +113,17 @@ def switch(gear: Any, branches: Sequence[Callable[..., Any]], *operands: Any) ->
             f"gear must be a scalar, got shape {gear.shape}; a stacked site's gear (shape [L]) is "
             "sliced per layer by nnx.scan, index it (gear[i]) when calling an op directly"
         )
+    plain = gear.dtype == SWITCHED
     if not jnp.issubdtype(gear.dtype, jnp.integer):
         gear = gear.astype(jnp.int32)
     gear, branches = _distinct(gear.astype(jnp.int32), branches)
     if len(branches) == 1:
         return branches[0](*operands)
+    if plain:
+        name = current_branch_site()
+        if name is not None:
+            branches = [scoped(b, name) for b in branches]
+        return lax.switch(gear, branches, *operands)
     return _geared(gear, branches, operands)
 
 
