@@ -163,9 +163,11 @@ def stats(x: jax.typing.ArrayLike) -> jax.Array:
         _sums,
         tuple(range(xf.ndim)),
     )
-    n = jnp.maximum(float(xf.size) - n_nan - n_pos - n_neg, 1.0)
-    mean = total / n
-    var = jnp.maximum(total_sq / n - jnp.square(mean), 0.0)
+    # One division: XLA does not copy a division into several consumers, so ``total / n`` and
+    # ``total_sq / n`` were a kernel each; the products below fuse into what reads them.
+    inv_n = 1.0 / jnp.maximum(float(xf.size) - n_nan - n_pos - n_neg, 1.0)
+    mean = total * inv_n
+    var = jnp.maximum(total_sq * inv_n - jnp.square(mean), 0.0)
     head = headroom(max_abs, n_pos > 0, x.dtype)
     return jnp.stack([max_abs, mean, var, n_nan + n_pos, head]).astype(jnp.float32)
 

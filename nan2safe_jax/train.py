@@ -375,10 +375,13 @@ def train_step(
     # then forwards the kept state instead of compiling a select kernel per optimizer-state
     # array (1,300 -> 1,158 kernels in the demo's FAST-only step).
     opt_state = jax.lax.cond(polluted | bad_update, lambda: state.opt_state, lambda: new_opt)
-    new_rest = keep(new_rest, state.rest)
-    det = keep(det, state.detector)
-    update_stats = keep(
-        probe_lib.scalar_stats(update_norm, jnp.zeros([], jnp.float32), ~ok), state.update_stats
+    # A cond for the same reason: the model's other variables (its probes among them), the
+    # detector baselines and the update probe, kept without a select kernel per array.
+    new_stats = probe_lib.scalar_stats(update_norm, jnp.zeros([], jnp.float32), ~ok)
+    new_rest, det, update_stats = jax.lax.cond(
+        ok,
+        lambda: (new_rest, det, new_stats),
+        lambda: (state.rest, state.detector, state.update_stats),
     )
 
     new_step = state.step + 1
