@@ -187,7 +187,8 @@ def make_n2s(
         return m["loss"]
 
     run.wait = step.wait_compiled
-    run.program = lambda: step.programs[0].last_program if step.programs else "general"
+    # the StepPrograms in use: a sharded step makes its own at its first call (the last one)
+    run.program = lambda: step.programs[-1].last_program if step.programs else "general"
 
     program = step.jitted_fast if fast_program else step.jitted
     run.lower = lambda batch: program.lower(carry[0], batch)
