@@ -98,6 +98,26 @@ def _scenario_eight(out: Path) -> dict:
     res["fsdp_mu_spec"] = str(
         jax.tree_util.tree_leaves(fs.opt_state.skip.inner[1][0].mu)[1].sharding.spec
     )
+    # A partial program under FSDP (one site in SAFE, the background compile on): built while
+    # the general program runs the first step, then it runs the next, as the general would.
+    rules = sharding.fsdp(mesh, min_size=64)
+    site = sorted(_net_state().gear.sites)[0]
+    ran, losses = [], {}
+    os.environ["NAN2SAFE_BACKGROUND_COMPILE"] = "1"
+    for fast_program in (True, False):
+        step = nan2safe.make_train_step(loss_fn, rules=rules, fast_program=fast_program)
+        state = _net_state()
+        state = state.replace(gear=nan2safe.gear.set_site(state.gear, site, nan2safe.Gear.SAFE))
+        losses[fast_program] = []
+        for i in range(3):
+            state, m = step(state, (x[i], y[i]))
+            losses[fast_program].append(float(m["loss"]))
+            if fast_program:
+                ran.append(step.programs[-1].last_program)
+                step.wait_compiled()
+    os.environ["NAN2SAFE_BACKGROUND_COMPILE"] = "0"
+    res["partial"] = {"ran": ran, "losses": losses[True], "general_losses": losses[False]}
+
     # A checkpoint of the FSDP state, for the 4-device scenario to restore.
     ck = Checkpointer(out / "ckpt", async_save=False)
     ck.save(STEPS, fs)
@@ -209,6 +229,13 @@ def test_sharded_runs_match_the_single_device_run(runs):
             assert b["risk"] == a["risk"] and b["next_gear"] == a["next_gear"]
         assert eight[f"{name}_metrics_replicated"]
     assert len(single) == STEPS
+
+
+def test_a_partial_program_runs_a_sharded_step_with_a_site_in_safe(runs):
+    eight, _ = runs
+    p = eight["partial"]
+    assert p["ran"] == ["general", "partial", "partial"]
+    np.testing.assert_allclose(p["losses"], p["general_losses"], rtol=1e-5)
 
 
 def test_fsdp_splits_parameters_and_optimizer_state(runs):
