@@ -125,7 +125,9 @@ class TrainState(struct.PyTreeNode):
         return self.replace(detector=new)
 
 
-def _with_gears(state: TrainState, fast_only: bool = False, fast_sites=None):
+def _with_gears(
+    state: TrainState, fast_only: bool = False, fast_sites: frozenset[str] | None = None
+):
     """The non-param state with every site's gear variable set to its effective gear.
 
     ``fast_only``: every gear variable holds ``ops.dispatch.fast_only_gear`` (FAST, known at
