@@ -195,6 +195,11 @@ class StepPrograms:
         self._aot[key] = future
         threading.Thread(target=build, name="nan2safe-compile").start()
 
+    def lower(self, state: Any, batch: Any, fast: bool = True) -> Any:
+        """``jax.stages.Lowered`` of the FAST-only (or general) program for these arguments:
+        its compiled text shows what the step runs (e.g. a sharded step's collectives)."""
+        return self._jit[fast].lower(state, batch)
+
     def wait(self) -> None:
         """Blocks until the background compiles are done (benchmarks time steps after it)."""
         for future in list(self._aot.values()):

@@ -65,10 +65,13 @@ def test_stats_matches_the_numpy_reference(dtype, seed):
 
 
 def test_stats_is_one_reduction_without_gradient():
-    """One variadic reduction (one fusion for XLA, not one per statistic), and monitoring only:
-    no gradient flows through it."""
-    jaxpr = jax.make_jaxpr(probe.stats)(jnp.ones((4, 8)))
+    """One variadic reduction over all but the batch axis (one fusion for XLA, not one per
+    statistic), finished by a plain sum and max over that axis (all-reduces when it is sharded),
+    and monitoring only: no gradient flows through it."""
+    jaxpr = jax.make_jaxpr(probe.stats)(jnp.ones((4, 8, 3)))
     reductions = [e for e in jaxpr.eqns if e.primitive.name.startswith("reduce")]
-    assert [e.primitive.name for e in reductions] == ["reduce"]
+    assert [e.primitive.name for e in reductions] == ["reduce", "reduce_sum", "reduce_max"]
+    assert reductions[0].params["dimensions"] == (1, 2)
+    assert [e.params["axes"] for e in reductions[1:]] == [(1,), (0,)]
     g = jax.grad(lambda x: probe.stats(x)[probe.MAX_ABS] + probe.stats(x)[probe.MEAN])(jnp.ones(3))
     np.testing.assert_array_equal(g, np.zeros(3))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tiny_models, when ru
 from tiny_models import Net, data, loss_fn, make_fragile  # noqa: E402
 
 import nan2safe_jax as nan2safe  # noqa: E402
-from nan2safe_jax import sharding  # noqa: E402
+from nan2safe_jax import probe, sharding  # noqa: E402
 from nan2safe_jax.checkpoint import Checkpointer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,9 +69,11 @@ def _scenario_eight(out: Path) -> dict:
     res: dict = {}
     x, y = data(STEPS)
     mesh = sharding.make_mesh((2, 4), ("data", "fsdp"))
+    dp = sharding.data_parallel(sharding.make_mesh((8,), ("data",)))
     runs = {
         "single": (None, False),
         "fsdp": (sharding.fsdp(mesh, min_size=64), True),
+        "dp": (dp, False),
     }
     states = {}
     with warnings.catch_warnings(record=True) as caught:
@@ -84,12 +87,29 @@ def _scenario_eight(out: Path) -> dict:
                 hist.append({k: float(m[k]) for k in ("loss", "grad_norm", "risk", "next_gear")})
             states[name] = state
             res[name] = hist
+            if name == "dp":  # what the FAST-only program communicates
+                hlo = step.programs[-1].lower(state, sharding.shard_batch((x[0], y[0]), dp))
+                hlo = hlo.compile().as_text()
+                res["dp_collectives"] = {
+                    op: len(re.findall(rf" {op}(?:-start)?\(", hlo))
+                    for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute")
+                }
             if donate:
                 res["donated"] = all(a.is_deleted() for a in jax.tree_util.tree_leaves(old.params))
             res[f"{name}_metrics_replicated"] = all(
                 a.sharding.is_fully_replicated for a in jax.tree_util.tree_leaves(m)
             )
     res["warnings"] = [str(w.message) for w in caught if "donat" in str(w.message)]
+    # Probe statistics of batch-sharded tensors (NaN, +inf, -inf in one shard's rows).
+    rng = np.random.default_rng(0)
+    res["sharded_stats"] = []
+    for shape in [(32, 7), (16, 4, 5), (8,)]:
+        v = rng.normal(size=shape) * 3.0
+        v.reshape(shape[0], -1)[5, :3] = [np.nan, np.inf, -np.inf][: v[5].size]
+        on_one = np.asarray(jax.jit(probe.stats)(jnp.asarray(v, jnp.float32)))
+        spread = jax.device_put(jnp.asarray(v, jnp.float32), dp.batch_sharding(v))
+        on_eight = np.asarray(jax.jit(probe.stats)(spread))
+        res["sharded_stats"].append([on_one.tolist(), on_eight.tolist()])
     fs = states["fsdp"]
     res["fsdp_specs"] = {
         jax.tree_util.keystr(p): str(a.sharding.spec)
@@ -222,13 +242,29 @@ def runs(tmp_path_factory):
 def test_sharded_runs_match_the_single_device_run(runs):
     eight, _ = runs
     single = eight["single"]
-    for name in ("fsdp",):
+    for name in ("fsdp", "dp"):
         for a, b in zip(single, eight[name], strict=True):
             np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-4, atol=1e-6)
             np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=1e-4, atol=1e-6)
             assert b["risk"] == a["risk"] and b["next_gear"] == a["next_gear"]
         assert eight[f"{name}_metrics_replicated"]
     assert len(single) == STEPS
+
+
+def test_probe_statistics_of_a_sharded_batch_match_one_device(runs):
+    eight, _ = runs
+    for on_one, on_eight in eight["sharded_stats"]:
+        np.testing.assert_allclose(on_eight, on_one, rtol=1e-5, atol=1e-30)
+    assert eight["sharded_stats"][0][0][probe.NONFINITE] == 2  # NaN and +inf, not -inf
+
+
+def test_a_data_parallel_step_gathers_nothing(runs):
+    """Replicated parameters: the step's only collectives are all-reduces (the gradients', the
+    loss's, the probes' sums and maxima, merged by XLA), no gather of probe partial results."""
+    eight, _ = runs
+    c = eight["dp_collectives"]
+    assert c["all-gather"] == 0 and c["all-to-all"] == 0 and c["collective-permute"] == 0
+    assert 1 <= c["all-reduce"] <= 8, c
 
 
 def test_a_partial_program_runs_a_sharded_step_with_a_site_in_safe(runs):
