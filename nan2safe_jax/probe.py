@@ -75,6 +75,25 @@ def probe_set(kinds):
         _ENABLED.reset(token)
 
 
+_PARTITIONED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "nan2safe_partitioned", default=False
+)
+
+
+@contextlib.contextmanager
+def partitioned(on: bool = True):
+    """Probes traced inside this block reduce in the form XLA partitions over devices (plain
+    sums and maxima, see ``stats``); a sharded step (``train_step(partitioned=True)``, which
+    ``make_train_step`` passes with a mesh or rules) traces inside one. A ``jax.jit``'s trace
+    cache does not key on it: a function jitted inside the model and traced outside the block
+    first keeps its one-reduction probes (correct values, gathered under sharding)."""
+    token = _PARTITIONED.set(on)
+    try:
+        yield
+    finally:
+        _PARTITIONED.reset(token)
+
+
 def probe_enabled(kind: str) -> bool:
     """Whether probe kind ``kind`` (one of ``PROBE_KINDS``) is computed in the current trace."""
     on = _ENABLED.get()
@@ -143,12 +162,12 @@ def stats(x: jax.typing.ArrayLike) -> jax.Array:
     variance is ``E[x^2] - E[x]^2`` clamped at 0, which is plenty for a monitoring statistic.
     No gradient flows through it (monitoring only).
 
-    The variadic reduction keeps the leading (batch) axis; a plain sum and a plain max finish
-    it. XLA's SPMD partitioner turns those into all-reduces, which it merges across probes,
-    but cannot split a variadic reduction over a sharded axis: it gathered every partial
-    result, six all-gathers per probe (138 per data-parallel step of the demo model on 8
-    devices, 1.24x the plain step; none now). On one device the finish costs two small
-    kernels.
+    Inside ``partitioned()`` (a step sharded over devices) it is one plain sum (of the stacked
+    sums and counts) and one plain max instead: XLA's SPMD partitioner turns those into
+    all-reduces, which it merges across probes, but cannot split a variadic reduction over a
+    sharded axis and gathered its six partial results per probe (138 all-gathers per
+    data-parallel step of the demo model on 8 devices, 1.24x the plain step; none now). The
+    plain reductions read the tensor once each on the CPU; GPU XLA fuses sibling reductions.
 
     Args:
       x: any array.
@@ -164,17 +183,15 @@ def stats(x: jax.typing.ArrayLike) -> jax.Array:
     xz = jnp.where(nan | pos | neg, 0.0, xf)
     one = lambda b: b.astype(jnp.float32)
     zero = jnp.zeros((), jnp.float32)
-    rows = lax.reduce(  # per batch row: the leading axis may be sharded
-        (xz, jnp.square(xz), jnp.abs(xz), one(nan), one(pos), one(neg)),
-        (zero,) * 6,
-        _sums,
-        tuple(range(1, xf.ndim)),
-    )
-    if xf.ndim:
-        sums = jnp.sum(jnp.stack([rows[0], rows[1], rows[3], rows[4], rows[5]]), axis=1)
-        (total, total_sq, n_nan, n_pos, n_neg), max_abs = sums, jnp.max(rows[2])
+    parts = (xz, jnp.square(xz), jnp.abs(xz), one(nan), one(pos), one(neg))
+    if _PARTITIONED.get() and xf.ndim:
+        stacked = jnp.stack([parts[i] for i in (0, 1, 3, 4, 5)])
+        sums = jnp.sum(stacked, tuple(range(1, xf.ndim + 1)))
+        (total, total_sq, n_nan, n_pos, n_neg), max_abs = sums, jnp.max(parts[2])
     else:
-        total, total_sq, max_abs, n_nan, n_pos, n_neg = rows
+        total, total_sq, max_abs, n_nan, n_pos, n_neg = lax.reduce(
+            parts, (zero,) * 6, _sums, tuple(range(xf.ndim))
+        )
     # One division: XLA does not copy a division into several consumers, so ``total / n`` and
     # ``total_sq / n`` were a kernel each; the products below fuse into what reads them.
     inv_n = 1.0 / jnp.maximum(float(xf.size) - n_nan - n_pos - n_neg, 1.0)

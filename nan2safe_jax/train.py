@@ -259,6 +259,7 @@ def train_step(
     has_aux: bool = False,
     fast_only: bool = False,
     fast_sites: frozenset[str] | None = None,
+    partitioned: bool = False,
 ) -> tuple[TrainState, dict]:
     """One step (un-jitted); ``make_train_step`` jits it. See the module docstring.
 
@@ -273,12 +274,19 @@ def train_step(
     these sites run their FAST path as plain code, the others one plain switch per op (only
     the taken path runs), and the gear logic is the general step's (``nan2safe_jax.programs``).
 
+    ``partitioned``: the step is for a program sharded over devices (``make_train_step``
+    passes it with a mesh or rules): probes reduce in the form XLA's SPMD partitioner
+    all-reduces (``probe.partitioned``); the same statistics.
+
     A step that is not applied (``metrics["skipped"]``) returns every variable of the state as
     it was — parameters, optimizer state, the model's other variables (BatchNorm statistics),
     detector baselines — except the gears, the loss scale after a model fault (it must back
     off) and the step counter. A batch with a non-finite float is data, not a fault
     (``metrics["polluted"]``): it is skipped with the gears and the loss scale untouched.
     """
+    if partitioned:
+        with probe_lib.partitioned():
+            return train_step(state, batch, loss_fn, lr_schedule, has_aux, fast_only, fast_sites)
     cfg = state.cfg
     gs = state.gear
     rest = _with_gears(state, fast_only, fast_sites)
@@ -504,10 +512,11 @@ def make_train_step(
     compiled_fast = jax.jit(fast_fn, donate_argnums=donate_argnums) if jit else fast_fn
     programs: list[StepPrograms] = []
 
-    def partial_programs(**kw) -> Callable:
+    def partial_programs(partitioned: bool = False, **kw) -> Callable:
         """``sites -> `` the partial program (``train_step(fast_sites=sites)``) jitted with
         ``kw``."""
-        return lambda sites: jax.jit(functools.partial(fn, fast_sites=sites), **kw)
+        part = functools.partial(fn, partitioned=partitioned)
+        return lambda sites: jax.jit(functools.partial(part, fast_sites=sites), **kw)
 
     def with_fast_program(general: Callable, fast: Callable, partial: Callable) -> Callable:
         if not (jit and fast_program):
@@ -543,7 +552,9 @@ def make_train_step(
                 donate_argnums=donate_argnums,
             )
             f = sharded[key] = with_fast_program(
-                jax.jit(fn, **kw), jax.jit(fast_fn, **kw), partial_programs(**kw)
+                jax.jit(functools.partial(fn, partitioned=True), **kw),
+                jax.jit(functools.partial(fast_fn, partitioned=True), **kw),
+                partial_programs(partitioned=True, **kw),
             )
         new_state, metrics = f(state, batch)
         last_out[0] = new_state

@@ -108,7 +108,8 @@ def _scenario_eight(out: Path) -> dict:
         v.reshape(shape[0], -1)[5, :3] = [np.nan, np.inf, -np.inf][: v[5].size]
         on_one = np.asarray(jax.jit(probe.stats)(jnp.asarray(v, jnp.float32)))
         spread = jax.device_put(jnp.asarray(v, jnp.float32), dp.batch_sharding(v))
-        on_eight = np.asarray(jax.jit(probe.stats)(spread))
+        with probe.partitioned():  # as a sharded step traces it (a fresh jit: see its doc)
+            on_eight = np.asarray(jax.jit(lambda v: probe.stats(v))(spread))
         res["sharded_stats"].append([on_one.tolist(), on_eight.tolist()])
     fs = states["fsdp"]
     res["fsdp_specs"] = {
@@ -260,7 +261,8 @@ def test_probe_statistics_of_a_sharded_batch_match_one_device(runs):
 
 def test_a_data_parallel_step_gathers_nothing(runs):
     """Replicated parameters: the step's only collectives are all-reduces (the gradients', the
-    loss's, the probes' sums and maxima, merged by XLA), no gather of probe partial results."""
+    loss's, the probes' sums and maxima, merged by XLA), no gather of probe partial results
+    (``probe.partitioned``)."""
     eight, _ = runs
     c = eight["dp_collectives"]
     assert c["all-gather"] == 0 and c["all-to-all"] == 0 and c["collective-permute"] == 0
