@@ -442,16 +442,24 @@ class LayerNorm(_Site):
                 mask=mask,
                 use_fast_variance=self.use_fast_variance,
                 return_stats=True,
+                stats=_norm_stats(),
             )
-            _write_norm_probes(self, y, st)
+            _write_norm_probes(self, st)
         return y
 
 
-def _write_norm_probes(norm, y: jax.Array, st) -> None:
-    """A norm site's probes: its output and (from the op's own statistics) its inverse std and
-    its input's row scale."""
-    if probe_enabled("norm_output"):
-        _write(norm.probe_output, sampled_stats(y))
+_NORM_KINDS = (("output", "norm_output"), ("inv_std", "norm_inv_std"), ("input_rms", "norm_input"))
+
+
+def _norm_stats() -> tuple[str, ...]:
+    """The statistics a norm op computes for the probe kinds on in this trace."""
+    return tuple(s for s, kind in _NORM_KINDS if probe_enabled(kind))
+
+
+def _write_norm_probes(norm, st) -> None:
+    """A norm site's probes, from the op: its output's sampled rows, its inverse std and its
+    input's row scale."""
+    _write_if(norm.probe_output, st, "output", "norm_output")
     _write_if(norm.probe_inv_std, st, "inv_std", "norm_inv_std")
     _write_if(norm.probe_input, st, "input_rms", "norm_input")
 
@@ -514,8 +522,9 @@ class RMSNorm(_Site):
                 mask=mask,
                 use_fast_variance=self.use_fast_variance,
                 return_stats=True,
+                stats=_norm_stats(),
             )
-            _write_norm_probes(self, y, st)
+            _write_norm_probes(self, st)
         return y
 
 

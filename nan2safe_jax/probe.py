@@ -11,7 +11,7 @@ Producers, from most to least thorough:
 
 - ``stats``: every statistic of every element (one fused sweep); the reference.
 - ``op_stats``: ``stats`` behind ``stop_gradient``, for the probes the ops return.
-- ``sampled_stats``: ``stats`` of evenly strided rows, for large activations.
+- ``sampled_stats``: ``stats`` of evenly strided rows (``sample_rows``), for large activations.
 - ``cheap_stats``: one ``max(|y|)`` reduction, for Linear / Embed outputs.
 - ``scalar_stats``: a scalar (a norm) laid out as a probe.
 """
@@ -227,10 +227,24 @@ def sampled_stats(y: jax.Array, max_elements: int = PROBE_SAMPLE) -> jax.Array:
     values: a fixed, small cost whatever the batch. ``max_abs`` is a lower bound of the full
     tensor's; a non-finite value in an unsampled row is not seen (the per-row probes and the
     step's loss/gradient checks see those)."""
-    rows = y.reshape(-1, y.shape[-1]) if y.ndim > 1 else y.reshape(1, -1)
-    n = rows.shape[0]
-    stride = max(1, -(-(n * rows.shape[1]) // max_elements))
-    return stats(rows[::stride])
+    return stats(sample_rows(y, max_elements))
+
+
+def sample_rows(a: jax.Array, max_elements: int = PROBE_SAMPLE) -> jax.Array:
+    """The rows ``sampled_stats`` reads: ``a`` as ``[rows, last axis]``, every ``stride``-th
+    row, at most ``max_elements`` values (a 1-D or scalar ``a`` is one row)."""
+    rows = a.reshape(-1, a.shape[-1]) if a.ndim > 1 else a.reshape(1, -1)
+    return rows[:: sample_stride(a.shape, max_elements)]
+
+
+def sample_stride(shape: tuple[int, ...], max_elements: int = PROBE_SAMPLE) -> int:
+    """The row stride of ``sample_rows`` for an array of ``shape``: an op can take the same
+    rows of its inputs (and of per-row statistics, ``[..., 1]``) to compute its output's
+    sampled rows without reading the output."""
+    size = 1
+    for d in shape:
+        size *= d
+    return max(1, -(-size // max_elements))
 
 
 def scalar_stats(value: jax.Array, headroom: jax.Array, nonfinite: jax.Array) -> jax.Array:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nan2safe_jax import ops
+from nan2safe_jax import ops, probe
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 DTYPES = [F32, BF16, F16]
@@ -583,6 +583,42 @@ def test_norm_input_rms_probe_matches_the_numpy_reference(dt, norm, masked):
         np.testing.assert_allclose(float(st[4]), head, rtol=0.01, atol=1e-30)
     st = run(xd.at[1, 2].set(jnp.inf), jnp.int32(0))["input_rms"]
     assert float(st[3]) == 1.0  # the row that holds the inf
+
+
+@pytest.mark.parametrize(
+    "dt, norm, shape, masked",
+    # every dtype and both norms; rows strided (4096 rows of 8 > PROBE_SAMPLE) or not, 1-D
+    [
+        (F32, "layer_norm", (4, 1024, 8), False),
+        (BF16, "rms_norm", (4096, 8), True),
+        (F16, "layer_norm", (3, 16), True),
+        (F16, "rms_norm", (16,), False),
+    ],
+    ids=lambda v: _ids(v) if not isinstance(v, (str, bool, tuple)) else str(v),
+)
+def test_norm_output_probe_is_the_sampled_stats_of_the_output(dt, norm, shape, masked):
+    """Every gear's ``output`` statistic is ``probe.sampled_stats`` of what it returns (FAST
+    recomputes the sampled rows from the same rows of x; its output then needs no second read),
+    and a statistic left out of ``stats`` is not computed."""
+    r = _rng(29)
+    x = jnp.asarray(r.normal(size=shape) * 3.0 + 0.5, dt)
+    mask = jnp.asarray(r.random(shape) > 0.3) if masked else None
+    d = shape[-1]
+    scale = jnp.asarray(r.normal(size=d), dt)
+    args = (scale, jnp.asarray(r.normal(size=d), dt)) if norm == "layer_norm" else (scale,)
+
+    @jit
+    def run(x, g):
+        return getattr(ops, norm)(x, *args, 1e-5, gear=g, mask=mask, return_stats=True)
+
+    for g in GEARS:
+        y, st = run(x, jnp.int32(g))
+        want = np.asarray(probe.sampled_stats(y))
+        np.testing.assert_allclose(np.asarray(st["output"]), want, rtol=1e-5, atol=1e-30)
+    _, st = getattr(ops, norm)(x, *args, 1e-5, mask=mask, return_stats=True, stats=("inv_std",))
+    assert set(st) == {"inv_std"}
+    with pytest.raises(ValueError, match="stats"):
+        getattr(ops, norm)(x, *args, return_stats=True, stats=("logits",))
 
 
 def test_input_errors():

@@ -62,38 +62,60 @@ def _flax_stats(x, mask, *, center, fast_var):
     return mu, lax.square(xs - jnp.expand_dims(mu, axes)).mean(axes, where=mask)
 
 
-def _norm_fast(x, scale, bias, mask, *, eps, center, fast_var):
+def _norm_fast(x, scale, bias, mask, *, eps, center, fast_var, want):
     """flax's ``_normalize`` after ``_compute_stats``; the probe is ``rsqrt(var + eps)``."""
     mean, var = _flax_stats(x, mask, center=center, fast_var=fast_var)
     stats_shape = x.shape[:-1] + (1,)
     mean, var = mean.reshape(stats_shape), var.reshape(stats_shape)
-    y = x - mean
     inv = lax.rsqrt(var + eps)
+    st = _probes(inv, mean, var, x.dtype, want)
+    if "output" in want:  # the output's sampled rows, from the same rows of x
+        stride = probe.sample_stride(x.shape)
+        rows = lambda a: (a.reshape(-1, a.shape[-1]) if a.ndim > 1 else a[None])[::stride]
+        st["output"] = probe.op_stats(_flax_affine(rows(x), rows(mean), rows(inv), scale, bias))
+    return _flax_affine(x, mean, inv, scale, bias), st
+
+
+def _flax_affine(x, mean, inv, scale, bias):
+    """flax's ``_normalize`` from the per-row ``mean`` and ``inv`` (``[..., 1]``), in x's dtype."""
+    y = x - mean
     mul = inv
     if scale is not None:
         mul = mul * scale.reshape((1,) * (x.ndim - 1) + scale.shape)
     y = y * mul
     if bias is not None:
         y = y + bias.reshape((1,) * (x.ndim - 1) + bias.shape)
-    return jnp.asarray(y, x.dtype), _probes(inv, mean, var, x.dtype)
+    return jnp.asarray(y, x.dtype)
 
 
-def _probes(inv, mean, var, dtype):
+def _probes(inv, mean, var, dtype, want):
     """The op's probes from the statistics it takes anyway: ``inv_std`` (every row's
     ``1/sqrt(var + eps)``) and ``input_rms`` (every row's ``sqrt(E[x²]) = sqrt(var + mean²)``,
-    in the input's dtype, so it overflows where the input would: the residual stream's scale)."""
-    rms = jnp.sqrt(var + jnp.square(mean)).astype(dtype)
-    return {"inv_std": probe.op_stats(inv), "input_rms": probe.op_stats(rms)}
+    in the input's dtype, so it overflows where the input would: the residual stream's scale).
+    Only those in ``want``."""
+    st = {}
+    if "inv_std" in want:
+        st["inv_std"] = probe.op_stats(inv)
+    if "input_rms" in want:
+        st["input_rms"] = probe.op_stats(jnp.sqrt(var + jnp.square(mean)).astype(dtype))
+    return st
 
 
-def _norm_stable(x, scale, bias, mask, *, eps, center, fast_var):
+def _with_output(y, st, want):
+    """``(y, st)`` with ``st["output"]`` (``sampled_stats`` of ``y``) when ``want`` has it."""
+    if "output" in want:
+        st = {**st, "output": probe.op_stats(probe.sample_rows(y))}
+    return y, st
+
+
+def _norm_stable(x, scale, bias, mask, *, eps, center, fast_var, want):
     del fast_var  # STABLE always takes the two-pass variance
     xf = x.astype(_F32)
     mean, var = _flax_stats(xf, mask, center=center, fast_var=False)
     mean, var = mean[..., None], var[..., None]
     inv = lax.rsqrt(var + eps)
     y = _affine((xf - mean) * inv, _f32(scale), _f32(bias))
-    return _saturate(y, x.dtype), _probes(inv, mean, var, x.dtype)
+    return _with_output(_saturate(y, x.dtype), _probes(inv, mean, var, x.dtype, want), want)
 
 
 def _row_mean(v, mask=None):
@@ -111,50 +133,59 @@ def _safe_inv_std(xc, eps, mask=None):
     return jnp.where(ok, lax.rsqrt(jnp.where(ok, d, 1.0)), 0.0)
 
 
-def _safe_probes(xf, eps, center, dtype, mask=None):
+def _safe_probes(xf, eps, center, dtype, want, mask=None):
     """The SAFE path's probes, from one set of power-of-two compressed rows (``x·s``,
     ``eps·s²``, scaled back by ``s``): ``inv_std`` (0 on degenerate rows) and ``input_rms``
     (every row's ``sqrt(E[x²])``, whose squares cannot overflow there, then in ``dtype``, the
-    input's, as FAST's). Returns the probes and the centred compressed rows and exponent."""
+    input's, as FAST's); only those in ``want``. Returns the probes and the centred compressed
+    rows and their ``inv_std``."""
     e = _range_exponent(xf, axis=-1, keepdims=True)
     xs = xf * _pow2(-e)
     rms = (jnp.sqrt(_row_mean(jnp.square(xs), mask)) * _pow2(e)).astype(dtype)
     xc = xs - _row_mean(xs, mask) if center else xs
     inv = _safe_inv_std(xc, eps * _pow2(-2 * e), mask)
-    return {"inv_std": probe.op_stats(inv * _pow2(-e)), "input_rms": probe.op_stats(rms)}, xc, inv
+    st = {"inv_std": probe.op_stats(inv * _pow2(-e)), "input_rms": probe.op_stats(rms)}
+    return {k: v for k, v in st.items() if k in want}, xc, inv
 
 
-def _norm_safe_masked(xf, scale, bias, mask, eps, center, dtype):
+def _norm_safe_masked(xf, scale, bias, mask, eps, center, dtype, want):
     """SAFE with a mask: compressed rows, masked mean / variance, degenerate rows -> 0."""
     mask = jnp.broadcast_to(mask, xf.shape)
-    st, xc, inv = _safe_probes(xf, eps, center, dtype, mask)
+    st, xc, inv = _safe_probes(xf, eps, center, dtype, want, mask)
     return _affine(xc * inv, _f32(scale), _f32(bias)), st
 
 
-def _norm_safe(x, scale, bias, mask, *, eps, center, fast_var):
+def _norm_safe(x, scale, bias, mask, *, eps, center, fast_var, want):
     del fast_var
     xf = x.astype(_F32)
     if mask is not None:
-        y, st = _norm_safe_masked(xf, scale, bias, mask, eps, center, x.dtype)
-        return _saturate(y, x.dtype), st
+        y, st = _norm_safe_masked(xf, scale, bias, mask, eps, center, x.dtype, want)
+        return _with_output(_saturate(y, x.dtype), st, want)
     if center:
         y = _kernels().safe_layer_norm(xf, _f32(scale), _f32(bias), eps=eps)
     else:
         y = _kernels().safe_rms_norm(xf, _f32(scale), eps=eps)
-    return _saturate(y, x.dtype), _safe_probes(xf, eps, center, x.dtype)[0]
+    st = _safe_probes(xf, eps, center, x.dtype, want)[0] if {"inv_std", "input_rms"} & want else {}
+    return _with_output(_saturate(y, x.dtype), st, want)
 
 
 def _f32(a):
     return None if a is None else a.astype(_F32)
 
 
-def _norm(x, scale, bias, eps, gear, mask, use_fast_variance, center):
+NORM_STATS = ("output", "inv_std", "input_rms")
+
+
+def _norm(x, scale, bias, eps, gear, mask, use_fast_variance, center, stats):
+    if set(stats) - set(NORM_STATS):
+        raise ValueError(f"norm: stats must be among {NORM_STATS}, got {stats!r}")
     x = jnp.asarray(x)
     x = x.astype(_float_dtype(x))
     scale = None if scale is None else jnp.asarray(scale).astype(x.dtype)
     bias = None if bias is None else jnp.asarray(bias).astype(x.dtype)
     mask = None if mask is None else jnp.broadcast_to(jnp.asarray(mask, bool), x.shape)
     kw = dict(eps=float(eps), center=center, fast_var=bool(use_fast_variance))
+    kw["want"] = frozenset(stats)
     branches = [functools.partial(f, **kw) for f in (_norm_fast, _norm_stable, _norm_safe)]
     return switch(gear, branches, x, scale, bias, mask)
 
@@ -169,6 +200,7 @@ def layer_norm(
     mask: jax.typing.ArrayLike | None = None,
     use_fast_variance: bool = True,
     return_stats: bool = False,
+    stats: tuple[str, ...] = NORM_STATS,
 ):
     """LayerNorm over the last axis: ``(x - mean) / sqrt(var + eps) * scale + bias``.
 
@@ -181,16 +213,21 @@ def layer_norm(
       mask: bool, broadcastable to ``x``: the positions that enter the statistics (flax's
         ``mask=``); every position is normalised.
       use_fast_variance: FAST's variance as ``E[x²] - E[x]²`` (flax's default) or two-pass.
-      return_stats: also return ``{"inv_std": stats, "input_rms": stats}``: ``detector.stats``
-        of the per-row ``1/sqrt(var + eps)`` (its ``max_abs`` is ``1/sqrt(min var + eps)``, the
-        precursor of a collapsing variance; inf when a row is degenerate in FAST/STABLE) and of
-        the per-row ``sqrt(E[x²])`` in ``x``'s dtype (its ``max_abs`` is the largest row's
-        scale: the precursor of activations that grow until they overflow).
+      return_stats: also return ``{"output": stats, "inv_std": stats, "input_rms": stats}``:
+        ``probe.sampled_stats`` of the output (FAST computes its sampled rows from the same
+        rows of ``x``, so the statistic does not make XLA write the output out for it: a loss
+        that only sums the output then never materialises it, as with flax's), and
+        ``detector.stats`` of the per-row ``1/sqrt(var + eps)`` (its ``max_abs`` is
+        ``1/sqrt(min var + eps)``, the precursor of a collapsing variance; inf when a row is
+        degenerate in FAST/STABLE) and of the per-row ``sqrt(E[x²])`` in ``x``'s dtype (its
+        ``max_abs`` is the largest row's scale: the precursor of activations that grow until
+        they overflow).
+      stats: which of ``NORM_STATS`` ``return_stats`` computes (one left out is not traced).
 
     Returns:
       ``x``'s float dtype, same shape; with ``return_stats`` a tuple ``(y, stats)``.
     """
-    y, st = _norm(x, scale, bias, eps, gear, mask, use_fast_variance, center=True)
+    y, st = _norm(x, scale, bias, eps, gear, mask, use_fast_variance, True, stats)
     return (y, st) if return_stats else y
 
 
@@ -203,6 +240,7 @@ def rms_norm(
     mask: jax.typing.ArrayLike | None = None,
     use_fast_variance: bool = True,
     return_stats: bool = False,
+    stats: tuple[str, ...] = NORM_STATS,
 ):
     """RMSNorm over the last axis: ``x / sqrt(mean(x²) + eps) * scale``.
 
@@ -210,5 +248,5 @@ def rms_norm(
     accepted as flax does (RMSNorm takes no mean, so it changes nothing). Arguments and
     returns as ``layer_norm``.
     """
-    y, st = _norm(x, scale, None, eps, gear, mask, use_fast_variance, center=False)
+    y, st = _norm(x, scale, None, eps, gear, mask, use_fast_variance, False, stats)
     return (y, st) if return_stats else y
