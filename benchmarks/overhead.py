@@ -43,12 +43,16 @@ arm stays a Python loop: flax's usual layout). The GPT-2-small shape:
 
 With ``--devices N`` both arms run sharded over N devices (``--sharding dp``: batch over a
 ``data`` axis of N, parameters replicated; ``fsdp``: a ``2 x N/2`` data x fsdp mesh, parameters
-and optimizer state split over ``fsdp``), the plain arm jitted with the same shardings. On CPU
+and optimizer state split over ``fsdp``, the batch over ``data`` only, so how the ``fsdp``
+devices share the compute is XLA's choice; ``zero3``: the same mesh and parameter split with the
+batch over both axes, every device on its own rows), the plain arm jitted with the same
+shardings. On CPU
 the N devices are simulated: the script re-executes itself with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (it must be set before JAX starts).
 
     python benchmarks/overhead.py [--rounds 5] [--steps 10] [--json PATH] [--dtype float32]
-                                  [--devices N] [--sharding dp|fsdp] [--batch 8] [--ablation]
+                                  [--devices N] [--sharding dp|fsdp|zero3] [--batch 8]
+                                  [--ablation]
                                   [--compile] [--scan-layers] [--layers 4] [--d-model 256]
                                   [--heads 4] [--seq 128] [--rss-cap-gb 5]
     python benchmarks/overhead.py --processes 2   # N jax.distributed processes vs 1 process
@@ -457,7 +461,7 @@ def main(argv=None):
     ap.add_argument("--scan-layers", action="store_true")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--devices", type=int, default=0, help="shard over N devices (0: one)")
-    ap.add_argument("--sharding", default="dp", choices=["dp", "fsdp"])
+    ap.add_argument("--sharding", default="dp", choices=["dp", "fsdp", "zero3"])
     ap.add_argument("--batch", type=int, default=8, help="global batch size")
     ap.add_argument("--processes", type=int, default=1, help="N processes vs one")
     ap.add_argument("--ablation", action="store_true", help="add guard, noprobe, safe_attn")
@@ -554,11 +558,12 @@ def _rules(args, argv):
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], env)
     devices = jax.devices()[:n]
-    if args.sharding == "fsdp":
+    if args.sharding in ("fsdp", "zero3"):
         if n % 2:
-            raise SystemExit(f"--sharding fsdp needs an even --devices, got {n}")
+            raise SystemExit(f"--sharding {args.sharding} needs an even --devices, got {n}")
         mesh = nan2safe.sharding.make_mesh((2, n // 2), ("data", "fsdp"), devices=devices)
-        return nan2safe.sharding.fsdp(mesh)
+        data_axis = ("data", "fsdp") if args.sharding == "zero3" else "data"
+        return nan2safe.sharding.fsdp(mesh, data_axis=data_axis)
     mesh = nan2safe.sharding.make_mesh((n,), ("data",), devices=devices)
     return nan2safe.sharding.data_parallel(mesh)
 

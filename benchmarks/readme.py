@@ -136,6 +136,8 @@ TABLES: dict[str, tuple[str, Callable, Callable]] = {
     "overhead_dp8": ("docs/overhead_dp8.json", _overhead, _overhead_command),
     "overhead_fsdp8": ("docs/overhead_fsdp8.json", _overhead, _overhead_command),
     "overhead_dp8_b64": ("docs/overhead_dp8_b64.json", _overhead, _overhead_command),
+    "overhead_zero3": ("docs/overhead_zero3.json", _overhead, _overhead_command),
+    "overhead_zero3_b64": ("docs/overhead_zero3_b64.json", _overhead, _overhead_command),
     "overhead_dp8_ablation": ("docs/overhead_dp8_ablation.json", _overhead, _overhead_command),
     "overhead_dp8_sync": ("docs/overhead_dp8_sync.json", _overhead, _overhead_command),
     "zoo": ("docs/zoo_quick.json", _zoo, _zoo_command),
