@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import NamedTuple
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +99,48 @@ def probe_enabled(kind: str) -> bool:
     """Whether probe kind ``kind`` (one of ``PROBE_KINDS``) is computed in the current trace."""
     on = _ENABLED.get()
     return on is None or kind in on
+
+
+@jax.tree_util.register_pytree_node_class
+class NamedValues(Mapping):
+    """One value per name, held as one array: a read-only mapping ``name -> values[i]``.
+
+    A step's ``metrics["probe_risk"]``: as a dict of scalars it was one output buffer per probe,
+    each a kernel of its own (XLA copies a slice of a vector into each, and fused each probe's
+    risk computation into its slice: 26 kernels in the demo step); as one vector it is one.
+    A pytree with the names as static data, so it passes through ``jit`` and
+    ``jax.device_get`` (which turns ``values`` into a NumPy array: reads are then free).
+
+    Args:
+      names: the names, in the order of ``values``.
+      values: ``[len(names), ...]``.
+    """
+
+    def __init__(self, names: tuple[str, ...], values: Any):
+        self.names = tuple(names)
+        self.values = values
+
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return self.values[self.names.index(name)]
+        except ValueError:
+            raise KeyError(name) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __repr__(self) -> str:
+        return f"NamedValues({dict(self)!r})"
+
+    def tree_flatten(self):
+        return (self.values,), self.names
+
+    @classmethod
+    def tree_unflatten(cls, names, children):
+        return cls(names, children[0])
 
 
 class ProbeStats(NamedTuple):

@@ -421,7 +421,7 @@ def train_step(
         "skipped": ~ok,
         "calm": risk.calm,
         "probes": probes,
-        "probe_risk": dict(zip(det.names, risk.per_probe, strict=True)),
+        "probe_risk": probe_lib.NamedValues(det.names, risk.per_probe),
         # With every gear FAST (the FAST-only program) a site's effective gear is its own.
         "site_gears": dict(gs.sites)
         if fast_only
@@ -496,7 +496,8 @@ def make_train_step(
     Returns:
       ``step(state, batch)``. Its metrics hold ``loss``, ``risk``, ``gear`` (the level this step
       ran with), ``loss_scale``, ``grad_norm``, ``nonfinite``, ``skipped``, per-probe ``probes``
-      and ``probe_risk``, ``site_gears`` and ``next_all_fast`` (the next step's program).
+      and ``probe_risk`` (a ``probe.NamedValues``: a mapping probe -> risk held as one vector),
+      ``site_gears`` and ``next_all_fast`` (the next step's program).
       ``step.jitted`` is the general step jitted without shardings and ``step.jitted_fast``
       the FAST-only one (what ``replay.locate_step`` traces; give it arguments gathered with
       ``nan2safe.sharding.to_local``); ``step.rules`` the rules; ``step.programs`` the

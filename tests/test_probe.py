@@ -92,3 +92,22 @@ def test_partitioned_stats_are_plain_reductions_with_the_same_values(dtype, shap
     want = _reference_stats(np.asarray(x.astype(jnp.float32)), dtype)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-30)
     np.testing.assert_allclose(got, np.asarray(probe.stats(x), np.float64), rtol=1e-5, atol=1e-30)
+
+
+def test_named_values_is_a_mapping_and_one_array_through_jit():
+    """``metrics["probe_risk"]``: name -> value, one output array (not one per name), a pytree
+    that jit returns and ``jax.device_get`` brings to the host whole."""
+    names = ("a", "b", "c")
+    nv = jax.jit(lambda v: probe.NamedValues(names, v * 2.0))(jnp.arange(3.0))
+    assert isinstance(nv, probe.NamedValues) and list(nv) == list(names) and len(nv) == 3
+    assert float(nv["b"]) == 2.0 and dict(nv.items()).keys() == {"a", "b", "c"}
+    assert len(jax.tree_util.tree_leaves(nv)) == 1
+    host = jax.device_get({"probe_risk": nv})["probe_risk"]
+    assert isinstance(host.values, np.ndarray) and {k: float(v) for k, v in host.items()} == {
+        "a": 0.0,
+        "b": 2.0,
+        "c": 4.0,
+    }
+    with pytest.raises(KeyError):
+        nv["d"]
+    assert "b" in nv and "d" not in nv
