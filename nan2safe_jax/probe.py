@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -119,12 +120,10 @@ class NamedValues(Mapping):
     def __init__(self, names: tuple[str, ...], values: Any):
         self.names = tuple(names)
         self.values = values
+        self._index = {n: i for i, n in enumerate(self.names)}
 
     def __getitem__(self, name: str) -> Any:
-        try:
-            return self.values[self.names.index(name)]
-        except ValueError:
-            raise KeyError(name) from None
+        return self.values[self._index[name]]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
@@ -273,21 +272,22 @@ def sampled_stats(y: jax.Array, max_elements: int = PROBE_SAMPLE) -> jax.Array:
     return stats(sample_rows(y, max_elements))
 
 
-def sample_rows(a: jax.Array, max_elements: int = PROBE_SAMPLE) -> jax.Array:
+def sample_rows(
+    a: jax.Array, max_elements: int = PROBE_SAMPLE, stride: int | None = None
+) -> jax.Array:
     """The rows ``sampled_stats`` reads: ``a`` as ``[rows, last axis]``, every ``stride``-th
-    row, at most ``max_elements`` values (a 1-D or scalar ``a`` is one row)."""
+    row, at most ``max_elements`` values (a 1-D or scalar ``a`` is one row). ``stride``: take
+    another array's (``sample_stride`` of its shape), e.g. the same rows of an op's per-row
+    statistics ``[..., 1]`` as of its output."""
     rows = a.reshape(-1, a.shape[-1]) if a.ndim > 1 else a.reshape(1, -1)
-    return rows[:: sample_stride(a.shape, max_elements)]
+    return rows[:: sample_stride(a.shape, max_elements) if stride is None else stride]
 
 
 def sample_stride(shape: tuple[int, ...], max_elements: int = PROBE_SAMPLE) -> int:
     """The row stride of ``sample_rows`` for an array of ``shape``: an op can take the same
     rows of its inputs (and of per-row statistics, ``[..., 1]``) to compute its output's
     sampled rows without reading the output."""
-    size = 1
-    for d in shape:
-        size *= d
-    return max(1, -(-size // max_elements))
+    return max(1, -(-math.prod(shape) // max_elements))
 
 
 def scalar_stats(value: jax.Array, headroom: jax.Array, nonfinite: jax.Array) -> jax.Array:

@@ -513,11 +513,9 @@ def make_train_step(
     compiled_fast = jax.jit(fast_fn, donate_argnums=donate_argnums) if jit else fast_fn
     programs: list[StepPrograms] = []
 
-    def partial_programs(partitioned: bool = False, **kw) -> Callable:
-        """``sites -> `` the partial program (``train_step(fast_sites=sites)``) jitted with
-        ``kw``."""
-        part = functools.partial(fn, partitioned=partitioned)
-        return lambda sites: jax.jit(functools.partial(part, fast_sites=sites), **kw)
+    def partial_programs(base: Callable, **kw) -> Callable:
+        """``sites -> `` the partial program (``base(fast_sites=sites)``) jitted with ``kw``."""
+        return lambda sites: jax.jit(functools.partial(base, fast_sites=sites), **kw)
 
     def with_fast_program(general: Callable, fast: Callable, partial: Callable) -> Callable:
         if not (jit and fast_program):
@@ -526,7 +524,7 @@ def make_train_step(
         return programs[-1]
 
     run = with_fast_program(
-        compiled, compiled_fast, partial_programs(donate_argnums=donate_argnums)
+        compiled, compiled_fast, partial_programs(fn, donate_argnums=donate_argnums)
     )
     checked: dict[tuple, tuple] = {}
     sharded: dict[tuple, Callable] = {}
@@ -552,10 +550,11 @@ def make_train_step(
                 out_shardings=(state_sh, rules.replicated),
                 donate_argnums=donate_argnums,
             )
+            part = functools.partial(fn, partitioned=True)
             f = sharded[key] = with_fast_program(
-                jax.jit(functools.partial(fn, partitioned=True), **kw),
-                jax.jit(functools.partial(fast_fn, partitioned=True), **kw),
-                partial_programs(partitioned=True, **kw),
+                jax.jit(part, **kw),
+                jax.jit(functools.partial(part, fast_only=True), **kw),
+                partial_programs(part, **kw),
             )
         new_state, metrics = f(state, batch)
         last_out[0] = new_state

@@ -70,8 +70,7 @@ def _norm_fast(x, scale, bias, mask, *, eps, center, fast_var, want):
     inv = lax.rsqrt(var + eps)
     st = _probes(inv, mean, var, x.dtype, want)
     if "output" in want:  # the output's sampled rows, from the same rows of x
-        stride = probe.sample_stride(x.shape)
-        rows = lambda a: (a.reshape(-1, a.shape[-1]) if a.ndim > 1 else a[None])[::stride]
+        rows = functools.partial(probe.sample_rows, stride=probe.sample_stride(x.shape))
         st["output"] = probe.op_stats(_flax_affine(rows(x), rows(mean), rows(inv), scale, bias))
     return _flax_affine(x, mean, inv, scale, bias), st
 
