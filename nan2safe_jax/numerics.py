@@ -47,7 +47,7 @@ def all_finite(tree) -> jax.Array:
 SMALL_LEAF = 4096
 
 
-def sum_of_squares(tree) -> jax.Array:
+def sum_of_squares(tree, minus=None) -> jax.Array:
     """f32[] sum of the squares of every leaf, in f32 (non-finite when any leaf is).
 
     Leaves under ``SMALL_LEAF`` elements (biases, norm scales) are concatenated and reduced
@@ -55,12 +55,32 @@ def sum_of_squares(tree) -> jax.Array:
     sixth of the train step's kernels (on the CPU a small reduction compiles as three: the
     squares, a partial reduction, the final one), each costing compile time, and
     concatenating a few thousand values costs nothing at run time.
+
+    Args:
+      tree: a pytree of arrays.
+      minus: optional, a tree like ``tree``: the sum is of the squares of ``tree - minus``
+        (both in f32), e.g. the change a step made to the parameters. The small leaves of each
+        are concatenated before the subtraction, which then fuses into the one reduction (a
+        subtraction per leaf ahead of the concatenation was a kernel each).
+
+    Returns:
+      f32[].
     """
-    leaves = [jnp.asarray(x, jnp.float32) for x in jax.tree_util.tree_leaves(tree)]
-    small = [x.ravel() for x in leaves if x.size < SMALL_LEAF]
-    parts = [jnp.sum(jnp.square(x)) for x in leaves if x.size >= SMALL_LEAF]
+    f32 = lambda t: [jnp.asarray(x, jnp.float32) for x in jax.tree_util.tree_leaves(t)]
+    leaves = f32(tree)
+    others = [None] * len(leaves) if minus is None else f32(minus)
+    if len(others) != len(leaves):
+        raise ValueError(f"sum_of_squares: minus has {len(others)} leaves, tree {len(leaves)}")
+    diff = lambda x, y: x if y is None else x - y
+    parts = [
+        jnp.sum(jnp.square(diff(x, y)))
+        for x, y in zip(leaves, others, strict=True)
+        if x.size >= SMALL_LEAF
+    ]
+    small = [i for i, x in enumerate(leaves) if x.size < SMALL_LEAF]
     if small:
-        parts.append(jnp.sum(jnp.square(jnp.concatenate(small))))
+        cat = lambda vs: jnp.concatenate([vs[i].ravel() for i in small])
+        parts.append(jnp.sum(jnp.square(diff(cat(leaves), None if minus is None else cat(others)))))
     return sum(parts, jnp.zeros([], jnp.float32))
 
 

@@ -198,7 +198,8 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
 
     Unlike ``optax.apply_if_finite``, it never applies a non-finite update, however many come in
     a row: a run that keeps producing NaN stalls visibly (``streak``) instead of poisoning its
-    parameters. The skipped branch is not computed (``lax.cond``).
+    parameters. The skipped branch is not computed (``lax.cond``); a Python bool ``finite``
+    picks the branch at trace time (``apply_update`` traces both so, then selects).
     """
     inner = optax.with_extra_args_support(inner)
 
@@ -217,7 +218,10 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
             u, s = args
             return jax.tree_util.tree_map(jnp.zeros_like, u), s
 
-        new_updates, new_inner = jax.lax.cond(ok, apply, skip, (updates, state.inner))
+        if isinstance(finite, bool):  # decided at trace time, e.g. in a caller's own cond
+            new_updates, new_inner = (apply if finite else skip)((updates, state.inner))
+        else:
+            new_updates, new_inner = jax.lax.cond(ok, apply, skip, (updates, state.inner))
         streak = jnp.where(ok, 0, saturating_add(state.streak))
         skipped = jnp.where(ok, state.skipped, saturating_add(state.skipped))
         return new_updates, SkipState(new_inner, skipped, streak)
@@ -299,11 +303,53 @@ def guard(inner: optax.GradientTransformation, cfg: Config | None = None):
     def update_fn(updates, state, params=None, *, gear=None, finite=None, **extra):
         ok = _finite(updates, finite)
         _, ls = scale_tx.update(updates, state.loss_scale, params, gear=gear, finite=ok)
-        new_updates, sk = body.update(updates, state.skip, params, gear=gear, finite=ok, **extra)
+        decided = finite if isinstance(finite, bool) else ok  # a trace-time verdict stays one
+        new_updates, sk = body.update(
+            updates, state.skip, params, gear=gear, finite=decided, **extra
+        )
         return new_updates, GuardState(ls, sk)
 
     tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
     return tx
+
+
+def apply_update(tx, grads, opt_state, params, applied: jax.Array, **extra):
+    """``tx``'s update of ``params``: ``(new params, new optimizer state)``.
+
+    With a ``guard`` state both outcomes are traced with the guard's ``finite`` decided at
+    trace time (``True``: the update added to the parameters; ``False``: the skip, parameters
+    as they are) and selected by ``applied``, leaf by leaf. Each select fuses into the kernel
+    that computes the new leaf (Adam's moments, the parameter add), so the step compiles what
+    a plain optax step does per parameter: the update is never an array of its own, and the
+    gradients feed the optimizer's kernels directly. Behind the guard's skip ``cond`` the
+    update was written out and read back by the add (a kernel per parameter), and the
+    gradients, as the ``cond``'s operands, were copied into and out of another layout (two
+    kernels per attention kernel): 78 + 34 kernels of the demo's step. A skipped step
+    computes the update it drops; skips are rare, and an optimizer fed a NaN gradient only
+    computes NaNs that the select discards. Any other state: ``tx.update`` with
+    ``finite=applied``, then ``optax.apply_updates``.
+
+    Args:
+      tx: the optimizer (``guard(...)`` for the fused form).
+      grads: the gradients, as ``tx.update`` takes them.
+      opt_state: ``tx``'s state.
+      params: the parameters.
+      applied: bool[]: apply this step's update.
+      **extra: ``tx.update``'s extra arguments (``gear``, ``grad_norm``, ...).
+
+    Returns:
+      ``(new_params, new_opt_state)``.
+    """
+
+    def run(finite):
+        updates, new_opt = tx.update(grads, opt_state, params, finite=finite, **extra)
+        if finite is False:
+            return params, new_opt
+        return optax.apply_updates(params, updates), new_opt
+
+    if not is_guarded(opt_state):
+        return run(applied)
+    return select_tree(applied, run(True), run(False))
 
 
 def is_guarded(opt_state) -> bool:

@@ -73,3 +73,31 @@ def test_sum_of_squares_matches_float64_with_small_leaves_batched(dtype, bad):
         assert got == pytest.approx(ref, rel=1e-5)
     else:
         assert not np.isfinite(got)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, jnp.bfloat16])
+@pytest.mark.parametrize("bad", [None, "small", "large"])
+def test_sum_of_squares_of_a_difference_matches_float64(dtype, bad):
+    """``minus=``: the squares of ``tree - minus`` taken in f32 (a step's change to its
+    parameters), small leaves concatenated on both sides before the subtraction."""
+    rng = np.random.default_rng(1)
+    shapes = [(3,), (64, 64), (7, 5), (), (numerics.SMALL_LEAF,), (2, 3, 4)]
+    old = {f"p{i}": jnp.asarray(rng.normal(size=s), dtype) for i, s in enumerate(shapes)}
+    new = {
+        k: (v.astype(jnp.float32) + 0.01 * (i + 1)).astype(dtype)
+        for i, (k, v) in enumerate(old.items())
+    }
+    if bad is not None:
+        key = "p2" if bad == "small" else "p1"
+        new[key] = new[key].at[(0,) * new[key].ndim].set(jnp.nan)
+    got = float(jax.jit(lambda a, b: numerics.sum_of_squares(a, minus=b))(new, old))
+    f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    ref = sum(float(np.sum(np.square(f64(new[k]) - f64(old[k])))) for k in old)
+    if bad is None:
+        assert got == pytest.approx(ref, rel=1e-5)
+    else:
+        assert not np.isfinite(got)
+    # an unchanged tree: exactly 0
+    assert float(numerics.sum_of_squares(old, minus=old)) == 0.0
+    with pytest.raises(ValueError, match="minus"):
+        numerics.sum_of_squares(old, minus={"p0": old["p0"]})

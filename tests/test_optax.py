@@ -170,3 +170,45 @@ def test_fp16_adam_moments_do_not_underflow_to_inf():
     u, state = tx.update(g, tx.init(params), params)
     assert u["w"].dtype == jnp.float16 and np.all(np.isfinite(np.asarray(u["w"], np.float32)))
     assert jax.tree_util.tree_leaves(state)[1].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("grad", [0.5, jnp.nan, jnp.inf])
+@pytest.mark.parametrize("applied", [True, False])
+def test_apply_update_matches_update_then_apply(dtype, grad, applied):
+    """The fused form (both outcomes traced, selected per leaf) against the reference: the
+    guard's ``update`` with ``finite=applied``, then ``optax.apply_updates``; parameters,
+    moments, skip counters and loss scale alike, through jit."""
+    tx = n2s_optax.guard(optax.adamw(1e-2), CFG)
+    params = jax.tree_util.tree_map(lambda x: (x + 0.25).astype(dtype), PARAMS)
+    gs = GearState.create({})
+    s = tx.init(params)
+    s = tx.update(_grads(0.3, dtype), s, params, gear=gs)[1]  # moments that are not zero
+    g = _grads(grad, dtype)
+    ok = jnp.asarray(applied)
+
+    def reference(g, s, p, ok):
+        u, s = tx.update(g, s, p, gear=gs, finite=ok)
+        return optax.apply_updates(p, u), s
+
+    def fused(g, s, p, ok):
+        return n2s_optax.apply_update(tx, g, s, p, ok, gear=gs)
+
+    got, want = jax.jit(fused)(g, s, params, ok), jax.jit(reference)(g, s, params, ok)
+    if applied and np.isfinite(grad):
+        assert not _same(got[0], params)  # the update was applied
+    if not applied:
+        assert _same(got[0], params)  # a skip leaves the parameters exactly
+        assert int(got[1].skip.skipped) == int(s.skip.skipped) + 1
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=1e-6, atol=0)
+
+
+def test_apply_update_of_a_plain_optimizer_is_update_then_apply():
+    tx = optax.sgd(0.1)
+    p, g = PARAMS, _grads(1.0)
+    new, s = n2s_optax.apply_update(tx, g, tx.init(p), p, jnp.asarray(True))
+    ref = optax.apply_updates(p, tx.update(g, tx.init(p), p)[0])
+    assert _same(new, ref) and _same(s, tx.init(p))

@@ -11,6 +11,7 @@ from tiny_models import D, Net, data, logistic_loss, loss_fn
 import nan2safe_jax as nan2safe
 from nan2safe_jax import Config, Gear, TrainState, detector, make_train_step
 from nan2safe_jax import gear as G
+from nan2safe_jax.probe import ProbeStats
 from nan2safe_jax.site import Probe
 
 _data = data
@@ -140,6 +141,27 @@ def test_nan_batch_is_skipped_as_data_with_state_unchanged(step, dtype):
     _assert_same(new.gear, state.gear)
     assert float(new.loss_scale) == float(state.loss_scale)
     assert int(new.step) == int(state.step) + 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_update_probe_is_the_norm_of_the_change_to_the_parameters(step, dtype):
+    """The step adds the update inside the optimizer's kernels; the update probe is the norm
+    of the change it made, in f32 (against float64)."""
+    x, y = _data(3, dtype=dtype)
+    state = _state(dtype, Config(loss_scale_init=16.0), lr=1e-2)  # no fp16 overflow skip
+    for i in range(2):
+        new, m = step(state, (x[i], y[i]))
+        assert not bool(m["skipped"])
+        f64 = lambda t: [np.asarray(v, np.float64) for v in jax.tree_util.tree_leaves(t)]
+        pairs = zip(f64(new.params), f64(state.params), strict=True)
+        ref = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in pairs))
+        assert ref > 0
+        got = ProbeStats.of(new.update_stats).max_abs
+        np.testing.assert_allclose(float(got), ref, rtol=1e-5)
+        state = new
+    new, m = step(state, (x[2].at[0, 0].set(jnp.nan), y[2]))
+    assert bool(m["skipped"])  # no change; the probe keeps the last applied update's norm
+    _assert_same((new.params, new.update_stats), (state.params, state.update_stats))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
