@@ -381,13 +381,17 @@ def train_step(
     incident = incident | bad_update
     new_gs = numerics.select_tree(bad_update, decide(True), decided)
     new_gs = numerics.select_tree(polluted, gs, new_gs)  # data faults never move the gears
-    # A cond, not a select per leaf: the parameters are forwarded, where a second select
-    # (after ``apply_update``'s) was a kernel per parameter (990 -> 920 in the demo's step).
-    params = jax.lax.cond(ok, lambda: new_params, lambda: state.params)
-    # A cond for the optimizer state too: XLA forwards the kept state instead of compiling a
-    # select kernel per optimizer-state array (1,300 -> 1,158 kernels when the guard skipped
-    # by a ``cond`` of its own; no difference in kernels with ``apply_update``'s selects).
-    opt_state = jax.lax.cond(polluted | bad_update, lambda: state.opt_state, lambda: new_opt)
+    # Parameters and optimizer state are kept by one ``cond`` (a polluted batch's update was
+    # not applied: keeping its parameters changes nothing). A select per leaf was a kernel
+    # per parameter (the new parameters are written out for the update norm anyway): 990
+    # kernels in the demo's step, 920 with the cond. The parameters alone in a cond of their
+    # own made XLA copy every parameter ahead of it on every step (an entry parameter that a
+    # branch may return); with the optimizer state, the copies are in the kept branch only.
+    params, opt_state = jax.lax.cond(
+        polluted | bad_update,
+        lambda: (state.params, state.opt_state),
+        lambda: (new_params, new_opt),
+    )
     # A cond for the same reason: the model's other variables (its probes among them), the
     # detector baselines and the update probe, kept without a select kernel per array.
     new_stats = probe_lib.scalar_stats(update_norm, jnp.zeros([], jnp.float32), ~ok)
