@@ -117,6 +117,10 @@ def geared_clip(
     where a separate unscale was one more kernel per parameter (and a skipped step computes
     none of it).
 
+    The extra argument ``finite=True`` (a Python bool, as ``apply_update`` passes it for the
+    outcome it applies) says every element is finite: the mask that zeroes non-finite
+    elements is then not traced (a select per element in each kernel the clip fuses into).
+
     Args:
       max_norm: FAST threshold; ``None`` passes updates through (unscaled, with
         ``grad_unscale``).
@@ -131,7 +135,15 @@ def geared_clip(
         return GearedClipState(clipped=jnp.zeros([], jnp.int32))
 
     def update_fn(
-        updates, state, params=None, *, gear=None, grad_norm=None, grad_unscale=None, **extra
+        updates,
+        state,
+        params=None,
+        *,
+        gear=None,
+        grad_norm=None,
+        grad_unscale=None,
+        finite=None,
+        **extra,
     ):
         del params, extra
         if grad_unscale is not None and grad_norm is None:
@@ -150,9 +162,12 @@ def geared_clip(
         else:
             k = factor * jnp.asarray(grad_unscale, jnp.float32)
             scale = lambda u: _times(u, k)  # noqa: E731
-        clipped = jax.tree_util.tree_map(
-            lambda u: jnp.where(jnp.isfinite(u), scale(u), 0).astype(u.dtype), updates
-        )
+        if finite is True:  # every element is finite: known at trace time, no mask
+            clipped = jax.tree_util.tree_map(lambda u: scale(u).astype(u.dtype), updates)
+        else:
+            clipped = jax.tree_util.tree_map(
+                lambda u: jnp.where(jnp.isfinite(u), scale(u), 0).astype(u.dtype), updates
+            )
         hit = (factor < 1.0).astype(jnp.int32)
         return clipped, GearedClipState(saturating_add(state.clipped, hit))
 
@@ -212,7 +227,7 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
 
         def apply(args):
             u, s = args
-            return inner.update(u, s, params, finite=ok, **extra)
+            return inner.update(u, s, params, finite=True if finite is True else ok, **extra)
 
         def skip(args):
             u, s = args
@@ -334,7 +349,9 @@ def apply_update(tx, grads, opt_state, params, applied: jax.Array, **extra):
       grads: the gradients, as ``tx.update`` takes them.
       opt_state: ``tx``'s state.
       params: the parameters.
-      applied: bool[]: apply this step's update.
+      applied: bool[]: apply this step's update; only ever with finite gradients (the train
+        step's verdict): the outcome it selects is traced with ``finite=True``, so the clip
+        does not mask non-finite elements there.
       **extra: ``tx.update``'s extra arguments (``gear``, ``grad_norm``, ...).
 
     Returns:

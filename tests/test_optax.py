@@ -173,12 +173,14 @@ def test_fp16_adam_moments_do_not_underflow_to_inf():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("grad", [0.5, jnp.nan, jnp.inf])
-@pytest.mark.parametrize("applied", [True, False])
+@pytest.mark.parametrize(
+    "grad,applied", [(0.5, True), (0.5, False), (jnp.nan, False), (jnp.inf, False)]
+)
 def test_apply_update_matches_update_then_apply(dtype, grad, applied):
     """The fused form (both outcomes traced, selected per leaf) against the reference: the
     guard's ``update`` with ``finite=applied``, then ``optax.apply_updates``; parameters,
-    moments, skip counters and loss scale alike, through jit."""
+    moments, skip counters and loss scale alike, through jit. (An applied step has finite
+    gradients: the train step applies only those.)"""
     tx = n2s_optax.guard(optax.adamw(1e-2), CFG)
     params = jax.tree_util.tree_map(lambda x: (x + 0.25).astype(dtype), PARAMS)
     gs = GearState.create({})
@@ -212,3 +214,21 @@ def test_apply_update_of_a_plain_optimizer_is_update_then_apply():
     new, s = n2s_optax.apply_update(tx, g, tx.init(p), p, jnp.asarray(True))
     ref = optax.apply_updates(p, tx.update(g, tx.init(p), p)[0])
     assert _same(new, ref) and _same(s, tx.init(p))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_geared_clip_known_finite_skips_the_mask_with_the_same_result(dtype):
+    tx = n2s_optax.geared_clip(2.0)
+    g = _grads(3.0, dtype)
+    masked, _ = tx.update(g, tx.init(PARAMS), gear=jnp.int32(0))
+    known, _ = tx.update(g, tx.init(PARAMS), gear=jnp.int32(0), finite=True)
+    assert _same(known, masked)
+
+    def checks(finite):
+        def f(g):
+            norm = optax.global_norm(g)
+            return tx.update(g, tx.init(PARAMS), gear=jnp.int32(0), grad_norm=norm, finite=finite)
+
+        return str(jax.make_jaxpr(f)(g)).count("is_finite")
+
+    assert checks(True) == 1 and checks(None) == 1 + len(g)  # the norm's; no mask per leaf
