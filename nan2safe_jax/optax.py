@@ -233,7 +233,7 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
             u, s = args
             return jax.tree_util.tree_map(jnp.zeros_like, u), s
 
-        if isinstance(finite, bool):  # decided at trace time, e.g. in a caller's own cond
+        if isinstance(finite, bool):  # decided at trace time (apply_update's two outcomes)
             new_updates, new_inner = (apply if finite else skip)((updates, state.inner))
         else:
             new_updates, new_inner = jax.lax.cond(ok, apply, skip, (updates, state.inner))
