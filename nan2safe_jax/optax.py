@@ -42,6 +42,12 @@ def _finite(updates, finite) -> jax.Array:
     return all_finite(updates) if finite is None else jnp.asarray(finite, bool)
 
 
+def _verdict(updates, finite):
+    """``finite`` as the transforms pass it on: a Python bool (decided at trace time, as
+    ``apply_update`` traces each outcome) stays one, anything else is ``_finite``'s array."""
+    return finite if isinstance(finite, bool) else _finite(updates, finite)
+
+
 # --------------------------------------------------------------------------- loss scale
 
 
@@ -223,18 +229,19 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
         return SkipState(inner.init(params), z, z)
 
     def update_fn(updates, state, params=None, *, finite=None, **extra):
-        ok = _finite(updates, finite)
+        verdict = _verdict(updates, finite)
+        ok = jnp.asarray(verdict, bool)
 
         def apply(args):
             u, s = args
-            return inner.update(u, s, params, finite=True if finite is True else ok, **extra)
+            return inner.update(u, s, params, finite=verdict, **extra)
 
         def skip(args):
             u, s = args
             return jax.tree_util.tree_map(jnp.zeros_like, u), s
 
-        if isinstance(finite, bool):  # decided at trace time (apply_update's two outcomes)
-            new_updates, new_inner = (apply if finite else skip)((updates, state.inner))
+        if isinstance(verdict, bool):
+            new_updates, new_inner = (apply if verdict else skip)((updates, state.inner))
         else:
             new_updates, new_inner = jax.lax.cond(ok, apply, skip, (updates, state.inner))
         streak = jnp.where(ok, 0, saturating_add(state.streak))
@@ -316,11 +323,10 @@ def guard(inner: optax.GradientTransformation, cfg: Config | None = None):
         return GuardState(scale_tx.init(params), body.init(params))
 
     def update_fn(updates, state, params=None, *, gear=None, finite=None, **extra):
-        ok = _finite(updates, finite)
-        _, ls = scale_tx.update(updates, state.loss_scale, params, gear=gear, finite=ok)
-        decided = finite if isinstance(finite, bool) else ok  # a trace-time verdict stays one
+        verdict = _verdict(updates, finite)
+        _, ls = scale_tx.update(updates, state.loss_scale, params, gear=gear, finite=verdict)
         new_updates, sk = body.update(
-            updates, state.skip, params, gear=gear, finite=decided, **extra
+            updates, state.skip, params, gear=gear, finite=verdict, **extra
         )
         return new_updates, GuardState(ls, sk)
 
