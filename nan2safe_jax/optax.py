@@ -334,21 +334,44 @@ def guard(inner: optax.GradientTransformation, cfg: Config | None = None):
     return tx
 
 
+def update_outcomes(tx, grads, opt_state, params, **extra):
+    """A ``guard`` state's two outcomes of a step, unselected: ``(new params, new optimizer
+    state, skipped optimizer state)``.
+
+    The update is traced with the guard's ``finite`` ``True`` (added to the parameters, no
+    per-element mask in the clip) and the skip with ``False`` (the inner state as it was, the
+    guard's own counters moved: the loss scale backed off, the skip streak counted). Nothing
+    is selected here: the caller keeps the parameters and the inner state by the step's own
+    verdict. The train step keeps them with one ``cond`` (``train.train_step``), so the new
+    moments are written once and the parameter kernel reads them, as in a plain optax step: a
+    select per leaf made each parameter's kernel recompute the moments it could not read (the
+    selected ones are not the new ones) and grew every optimizer kernel by the selects.
+
+    Args:
+      tx: a ``guard(...)`` optimizer.
+      grads, opt_state, params, **extra: as ``tx.update`` takes them; only finite gradients
+        give finite new parameters (non-finite ones give NaNs, for the caller to drop).
+
+    Returns:
+      ``(new_params, new_opt_state, skipped_opt_state)``.
+    """
+    if not is_guarded(opt_state):
+        raise ValueError("update_outcomes: opt_state is not a guard(...) state")
+    updates, new_opt = tx.update(grads, opt_state, params, finite=True, **extra)
+    _, skipped_opt = tx.update(grads, opt_state, params, finite=False, **extra)
+    return optax.apply_updates(params, updates), new_opt, skipped_opt
+
+
 def apply_update(tx, grads, opt_state, params, applied: jax.Array, **extra):
     """``tx``'s update of ``params``: ``(new params, new optimizer state)``.
 
     With a ``guard`` state both outcomes are traced with the guard's ``finite`` decided at
-    trace time (``True``: the update added to the parameters; ``False``: the skip, parameters
-    as they are) and selected by ``applied``, leaf by leaf. Each select fuses into the kernel
-    that computes the new leaf (Adam's moments, the parameter add), so the step compiles what
-    a plain optax step does per parameter: the update is never an array of its own, and the
-    gradients feed the optimizer's kernels directly. Behind the guard's skip ``cond`` the
-    update was written out and read back by the add (a kernel per parameter), and the
-    gradients, as the ``cond``'s operands, were copied into and out of another layout (two
-    kernels per attention kernel): 78 + 34 kernels of the demo's step. A skipped step
-    computes the update it drops; skips are rare, and an optimizer fed a NaN gradient only
-    computes NaNs that the select discards. Any other state: ``tx.update`` with
-    ``finite=applied``, then ``optax.apply_updates``.
+    trace time (``update_outcomes``) and selected by ``applied``, leaf by leaf; each select
+    fuses into the kernel that computes the new leaf, so the update is never an array of its
+    own and the gradients feed the optimizer's kernels directly. A skipped step computes the
+    update it drops; skips are rare, and an optimizer fed a NaN gradient only computes NaNs
+    that the select discards. Any other state: ``tx.update`` with ``finite=applied``, then
+    ``optax.apply_updates``.
 
     Args:
       tx: the optimizer (``guard(...)`` for the fused form).
@@ -363,16 +386,11 @@ def apply_update(tx, grads, opt_state, params, applied: jax.Array, **extra):
     Returns:
       ``(new_params, new_opt_state)``.
     """
-
-    def run(finite):
-        updates, new_opt = tx.update(grads, opt_state, params, finite=finite, **extra)
-        if finite is False:
-            return params, new_opt
-        return optax.apply_updates(params, updates), new_opt
-
     if not is_guarded(opt_state):
-        return run(applied)
-    return select_tree(applied, run(True), run(False))
+        updates, new_opt = tx.update(grads, opt_state, params, finite=applied, **extra)
+        return optax.apply_updates(params, updates), new_opt
+    new_params, new_opt, skipped_opt = update_outcomes(tx, grads, opt_state, params, **extra)
+    return select_tree(applied, (new_params, new_opt), (params, skipped_opt))
 
 
 def is_guarded(opt_state) -> bool:

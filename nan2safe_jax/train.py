@@ -357,22 +357,25 @@ def train_step(
             lambda f: f * state.lr_scale, lr_factors(state.params, gs, cfg.safe_lr_factor)
         )
     applied = finite & ~polluted
-    # The update is added to the parameters in the optimizer's own kernels (never an array of
-    # its own); its norm is that of the change it made, in f32: a skipped step's is 0.
-    new_params, new_opt = guard_lib.apply_update(
-        state.tx,
-        sgrads,
-        state.opt_state,
-        state.params,
-        applied,
-        gear=decided,
-        grad_norm=grad_norm,
-        lr_factors=factors,
-        **unscale,
+    extra = dict(gear=decided, grad_norm=grad_norm, lr_factors=factors, **unscale)
+    if guard_lib.is_guarded(state.opt_state):
+        # The update is added to the parameters in the optimizer's own kernels (never an array
+        # of its own) and kept or dropped below with the parameters; a skip's outcome differs
+        # from the old state only in the guard's counters.
+        new_params, new_opt, skipped_opt = guard_lib.update_outcomes(
+            state.tx, sgrads, state.opt_state, state.params, **extra
+        )
+    else:
+        new_params, new_opt = guard_lib.apply_update(
+            state.tx, sgrads, state.opt_state, state.params, applied, **extra
+        )
+        skipped_opt = state.opt_state
+    # Its norm is that of the change the update made, in f32, with one pass and no
+    # overflow-safe rescale (``numerics.global_norm`` compiles a second pass per leaf for it):
+    # an update whose norm passes ~1.8e19 reads as non-finite, a fault all the same.
+    update_norm = jnp.where(
+        applied, jnp.sqrt(numerics.sum_of_squares(new_params, minus=state.params)), 0.0
     )
-    # One f32 pass, no overflow-safe rescale (``numerics.global_norm`` compiles a second pass per
-    # leaf for it): an update whose norm passes ~1.8e19 reads as non-finite, a fault all the same.
-    update_norm = jnp.sqrt(numerics.sum_of_squares(new_params, minus=state.params))
     # Finite gradients whose update is not finite (an optimizer fault: a moment that
     # underflowed, a 0/0 in a custom transform) are skipped like a NaN gradient, with the
     # optimizer state kept, and escalate like any other incident.
@@ -381,15 +384,17 @@ def train_step(
     incident = incident | bad_update
     new_gs = numerics.select_tree(bad_update, decide(True), decided)
     new_gs = numerics.select_tree(polluted, gs, new_gs)  # data faults never move the gears
-    # Parameters and optimizer state are kept by one ``cond`` (a polluted batch's update was
-    # not applied: keeping its parameters changes nothing). A select per leaf was a kernel
-    # per parameter (the new parameters are written out for the update norm anyway): 990
-    # kernels in the demo's step, 920 with the cond. The parameters alone in a cond of their
-    # own made XLA copy every parameter ahead of it on every step (an entry parameter that a
-    # branch may return); with the optimizer state, the copies are in the kept branch only.
+    # Parameters and optimizer state are kept by one ``cond``: the new ones only after an
+    # applied, finite update; else the parameters as they were, with the skip's optimizer
+    # state (the guard's counters moved) or, after a data fault or a bad update, the old one.
+    # A select per leaf was a kernel per parameter, or grew the optimizer's kernels (each
+    # parameter's recomputed the moments); the parameters alone in a cond of their own made
+    # XLA copy every parameter ahead of it on every step (an entry parameter that a branch
+    # may return); with the optimizer state, the copies are in the kept branch only.
+    kept_opt = numerics.select_tree(polluted | bad_update, state.opt_state, skipped_opt)
     params, opt_state = jax.lax.cond(
-        polluted | bad_update,
-        lambda: (state.params, state.opt_state),
+        ~ok,
+        lambda: (state.params, kept_opt),
         lambda: (new_params, new_opt),
     )
     # A cond for the same reason: the model's other variables (its probes among them), the

@@ -208,6 +208,40 @@ def test_apply_update_matches_update_then_apply(dtype, grad, applied):
         np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_update_outcomes_are_the_guards_two_verdicts_unselected(dtype):
+    """``update_outcomes`` gives what the guard's ``update`` gives with ``finite=True`` (added
+    to the parameters) and with ``finite=False`` (its state only): the train step keeps one
+    by its own verdict. The skip keeps the inner state exactly and moves the counters."""
+    tx = n2s_optax.guard(optax.adamw(1e-2), CFG)
+    params = jax.tree_util.tree_map(lambda x: (x + 0.25).astype(dtype), PARAMS)
+    gs = GearState.create({})
+    s = tx.init(params)
+    s = tx.update(_grads(0.3, dtype), s, params, gear=gs)[1]
+    g = _grads(0.5, dtype)
+
+    def reference(g, s, p):
+        u, applied = tx.update(g, s, p, gear=gs, finite=jnp.asarray(True))
+        _, skipped = tx.update(g, s, p, gear=gs, finite=jnp.asarray(False))
+        return optax.apply_updates(p, u), applied, skipped
+
+    got = jax.jit(lambda g, s, p: n2s_optax.update_outcomes(tx, g, s, p, gear=gs))(g, s, params)
+    want = jax.jit(reference)(g, s, params)
+    assert not _same(got[0], params)
+    assert _same(got[2].skip.inner, s.skip.inner)
+    assert int(got[2].skip.skipped) == int(s.skip.skipped) + 1
+    assert float(got[2].loss_scale.scale) < float(s.loss_scale.scale)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=1e-6, atol=0)
+
+
+def test_update_outcomes_needs_a_guard_state():
+    tx = optax.sgd(0.1)
+    with pytest.raises(ValueError, match="guard"):
+        n2s_optax.update_outcomes(tx, _grads(1.0), tx.init(PARAMS), PARAMS)
+
+
 def test_apply_update_of_a_plain_optimizer_is_update_then_apply():
     tx = optax.sgd(0.1)
     p, g = PARAMS, _grads(1.0)

@@ -64,6 +64,10 @@ def test_skipped_model_nan_leaves_batchnorm_stats_and_baselines_bit_identical():
         (state.params, state.rest, state.detector, state.update_stats),
     )
     assert bool(nan2safe.train.state_is_finite(new))
+    # The optimizer's moments are kept; the guard's counters record the skip.
+    _leaves_equal(new.opt_state.skip.inner, state.opt_state.skip.inner)
+    assert int(new.opt_state.skip.skipped) == int(state.opt_state.skip.skipped) + 1
+    assert int(new.opt_state.skip.streak) == int(state.opt_state.skip.streak) + 1
     # The step after the skip is not counted as non-finite.
     _, m2 = step(new, (x[0], y[0]))
     assert float(m2["nonfinite"]) == 0.0 and not bool(m2["skipped"])

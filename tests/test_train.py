@@ -146,7 +146,9 @@ def test_nan_batch_is_skipped_as_data_with_state_unchanged(step, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_update_probe_is_the_norm_of_the_change_to_the_parameters(step, dtype):
     """The step adds the update inside the optimizer's kernels; the update probe is the norm
-    of the change it made, in f32 (against float64)."""
+    of the change it made, in f32 (against float64). In 16-bit parameters XLA may take the
+    change before it is rounded to the parameter's dtype (excess precision, on by default),
+    so there the norm agrees to the rounding of a 16-bit value."""
     x, y = _data(3, dtype=dtype)
     state = _state(dtype, Config(loss_scale_init=16.0), lr=1e-2)  # no fp16 overflow skip
     for i in range(2):
@@ -157,7 +159,8 @@ def test_update_probe_is_the_norm_of_the_change_to_the_parameters(step, dtype):
         ref = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in pairs))
         assert ref > 0
         got = ProbeStats.of(new.update_stats).max_abs
-        np.testing.assert_allclose(float(got), ref, rtol=1e-5)
+        rtol = 1e-5 if dtype == jnp.float32 else 2e-2
+        np.testing.assert_allclose(float(got), ref, rtol=rtol)
         state = new
     new, m = step(state, (x[2].at[0, 0].set(jnp.nan), y[2]))
     assert bool(m["skipped"])  # no change; the probe keeps the last applied update's norm
