@@ -162,11 +162,16 @@ def geared_clip(
         thr = max_norm * jnp.asarray(factors, jnp.float32)[jnp.clip(_level(gear), 0, 2)]
         norm = global_norm(updates) if grad_norm is None else grad_norm
         ok = jnp.isfinite(norm)
-        factor = jnp.where(ok, jnp.minimum(1.0, thr / jnp.maximum(norm, 1e-30)), 0.0)
+        factor = lambda: jnp.minimum(1.0, thr / jnp.maximum(norm, 1e-30))  # noqa: E731
+        unscale = 1.0 if grad_unscale is None else jnp.asarray(grad_unscale, jnp.float32)
+        # The multiplier is a ``lax.cond``'s result, not a ``jnp.where``'s: XLA copies a scalar
+        # computation into every kernel that reads it (two or three per parameter, each then
+        # compiling the whole chain: 550 of the demo step's 7,600 fused instructions, and the
+        # compile time follows the fused instructions); a cond's result is read as a value.
+        k = jax.lax.cond(ok, lambda: factor() * unscale, lambda: jnp.zeros([], jnp.float32))
         if grad_unscale is None:
-            scale = lambda u: u * factor.astype(u.dtype)  # noqa: E731
+            scale = lambda u: u * k.astype(u.dtype)  # noqa: E731
         else:
-            k = factor * jnp.asarray(grad_unscale, jnp.float32)
             scale = lambda u: _times(u, k)  # noqa: E731
         if finite is True:  # every element is finite: known at trace time, no mask
             clipped = jax.tree_util.tree_map(lambda u: scale(u).astype(u.dtype), updates)
@@ -174,7 +179,7 @@ def geared_clip(
             clipped = jax.tree_util.tree_map(
                 lambda u: jnp.where(jnp.isfinite(u), scale(u), 0).astype(u.dtype), updates
             )
-        hit = (factor < 1.0).astype(jnp.int32)
+        hit = (~ok | (factor() < 1.0)).astype(jnp.int32)
         return clipped, GearedClipState(saturating_add(state.clipped, hit))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -96,10 +96,22 @@ def test_geared_clip_fp16_norm_does_not_overflow():
     np.testing.assert_allclose(np.asarray(out["w"], np.float32), 0.5, rtol=1e-3)
 
 
-def test_geared_clip_nonfinite_norm_gives_zero_not_nan():
+@pytest.mark.parametrize("unscale", [None, 0.25])
+def test_geared_clip_nonfinite_norm_gives_zero_not_nan(unscale):
     g = {"w": jnp.asarray([jnp.inf, 1.0])}
-    out, _ = n2s_optax.geared_clip(1.0).update(g, n2s_optax.GearedClipState(jnp.int32(0)))
-    assert np.all(np.isfinite(out["w"]))
+    extra = {} if unscale is None else {"grad_norm": jnp.float32(jnp.inf), "grad_unscale": unscale}
+    tx = n2s_optax.geared_clip(1.0)
+    out, state = jax.jit(lambda g: tx.update(g, tx.init(g), **extra))(g)
+    np.testing.assert_array_equal(np.asarray(out["w"]), [0.0, 0.0])
+    assert int(state.clipped) == 1  # a non-finite norm counts as clipped (to zero)
+
+
+def test_geared_clip_counts_only_the_steps_it_clips():
+    tx = n2s_optax.geared_clip(10.0)
+    small = {"w": jnp.asarray([3.0, 4.0])}  # norm 5: under the threshold, passed as is
+    out, state = jax.jit(lambda g: tx.update(g, tx.init(g)))(small)
+    np.testing.assert_array_equal(np.asarray(out["w"]), [3.0, 4.0])
+    assert int(state.clipped) == 0
 
 
 def test_skip_nonfinite_keeps_params_and_inner_state_however_many_in_a_row():
