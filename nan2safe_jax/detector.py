@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from nan2safe_jax import numerics
 from nan2safe_jax.config import Config
 from nan2safe_jax.probe import HEADROOM, MAX_ABS, NONFINITE, NUM_STATS
 from nan2safe_jax.probe import STATS as STATS  # the probe vector lives in nan2safe_jax.probe
@@ -249,7 +250,13 @@ def update(
       ``(new_state, Risk)``.
     """
     if isinstance(probe_stats, Mapping):
-        s = stack_stats(probe_stats, state.names)
+        # Stacked behind a conditional: each probe's statistics are computed once, by the kernel
+        # that also writes them out, instead of again inside the stack (``computed_once``).
+        # The predicate is never false (counts are not negative), only unknown until run time.
+        names = state.names
+        stack = lambda p: stack_stats(p, names)  # noqa: E731
+        probes = {n: jnp.asarray(v, jnp.float32) for n, v in probe_stats.items() if n in names}
+        s = numerics.computed_once(stack, jnp.all(state.count >= 0), probes)
     else:
         s = jnp.asarray(probe_stats, jnp.float32).reshape(len(state.names), NUM_STATS)
     x, head, bad = s[:, MAX_ABS], s[:, HEADROOM], s[:, NONFINITE]

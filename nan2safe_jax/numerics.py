@@ -1,9 +1,9 @@
 """Small numerics over pytrees, in one place: finiteness, norms, selection, saturating counters.
 
 Device-side helpers (``all_finite``, ``sum_of_squares``, ``global_norm``, ``select_tree``,
-``saturating_add``) are traceable and run inside the jitted step. Host-side helpers
-(``first_nonfinite``, ``tree_is_finite``) read concrete arrays back with NumPy: the Trainer uses
-them on a batch before it blames the model, and the checkpointer before it saves.
+``saturating_add``, ``computed_once``) are traceable and run inside the jitted step. Host-side
+helpers (``first_nonfinite``, ``tree_is_finite``) read concrete arrays back with NumPy: the
+Trainer uses them on a batch before it blames the model, and the checkpointer before it saves.
 
 A leaf is checked for finiteness when its dtype is inexact (float, bfloat16, float8, complex);
 integer, bool and PRNG-key leaves are always finite.
@@ -109,6 +109,30 @@ def global_norm(tree) -> jax.Array:
 def select_tree(pred: jax.Array, on_true, on_false):
     """Leafwise ``jnp.where(pred, on_true, on_false)`` (bit-exact on the chosen side)."""
     return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def computed_once(fn, pred: jax.Array, *operands):
+    """``fn(*operands)``, traced as both branches of a ``lax.cond`` on ``pred``.
+
+    XLA copies a cheap computation into every kernel that reads its result, and compile
+    time follows the instructions it compiles: a probe's statistics (a chain of scalar
+    operations after its reduction) went both into the kernel that writes the probe's
+    variable and into the detector's stack of all probes, ~400 fused instructions of the
+    demo's step. A conditional's operands are values XLA computes once, before it: both
+    branches then read them. Both branches are ``fn``, so ``pred`` decides nothing; it must
+    only be unknown until run time (a constant one is folded away, and so is a branch that
+    returns an operand unchanged: ``fn`` must compute something). The cost at run time is one
+    conditional.
+
+    Args:
+      fn: ``(*operands) -> result``.
+      pred: any bool[] known only at run time.
+      *operands: ``fn``'s arguments (pytrees of arrays).
+
+    Returns:
+      ``fn(*operands)``.
+    """
+    return jax.lax.cond(pred, fn, fn, *operands)
 
 
 def saturating_add(x: jax.typing.ArrayLike, by: jax.typing.ArrayLike = 1) -> jax.Array:

@@ -101,3 +101,22 @@ def test_sum_of_squares_of_a_difference_matches_float64(dtype, bad):
     assert float(numerics.sum_of_squares(old, minus=old)) == 0.0
     with pytest.raises(ValueError, match="minus"):
         numerics.sum_of_squares(old, minus={"p0": old["p0"]})
+
+
+@pytest.mark.parametrize("pred", [True, False])
+def test_computed_once_is_fn_whatever_the_predicate(pred):
+    """Both branches are ``fn``: the predicate changes nothing but must survive compilation
+    (the conditional is what makes XLA compute the operands once)."""
+    parts = {"a": jnp.arange(5.0), "b": jnp.full((5,), 2.0)}
+
+    def step(parts, p):
+        finished = {k: jnp.sqrt(v) * 3.0 + 1.0 for k, v in parts.items()}  # a cheap chain
+        stacked = numerics.computed_once(lambda f: jnp.stack([f["a"], f["b"]]), p, finished)
+        return finished, stacked
+
+    jitted = jax.jit(step)
+    finished, stacked = jitted(parts, jnp.asarray(pred))
+    np.testing.assert_allclose(stacked, np.stack([finished["a"], finished["b"]]))
+    np.testing.assert_allclose(stacked[0], np.sqrt(np.arange(5.0)) * 3.0 + 1.0, rtol=1e-6)
+    hlo = jitted.lower(parts, jnp.asarray(pred)).compile().as_text()
+    assert "conditional(" in hlo  # not folded: XLA reads the finished values as values
