@@ -118,10 +118,9 @@ def geared_clip(
 
     The extra argument ``grad_unscale`` (a scalar; ``grad_norm`` must then be given, of the
     unscaled gradients) says the updates are still loss-scaled: each is multiplied by it, in
-    f32, in the same pass as the clip. The train step passes the loss-scaled gradients so:
-    behind ``guard``'s skip ``cond`` the unscale then fuses with the clip and the optimizer,
-    where a separate unscale was one more kernel per parameter (and a skipped step computes
-    none of it).
+    f32, in the same pass as the clip. The train step passes the loss-scaled gradients so: the
+    unscale then fuses with the clip and the optimizer's kernels, where a separate unscale was
+    one more kernel per parameter.
 
     The extra argument ``finite=True`` (a Python bool, as ``apply_update`` passes it for the
     outcome it applies) says every element is finite: the mask that zeroes non-finite
@@ -168,7 +167,11 @@ def geared_clip(
         # computation into every kernel that reads it (two or three per parameter, each then
         # compiling the whole chain: 550 of the demo step's 7,600 fused instructions, and the
         # compile time follows the fused instructions); a cond's result is read as a value.
-        k = jax.lax.cond(ok, lambda: factor() * unscale, lambda: jnp.zeros([], jnp.float32))
+        k = jax.lax.cond(
+            ok,
+            lambda: (factor() * unscale).astype(jnp.float32),  # a float64 norm (x64) too
+            lambda: jnp.zeros([], jnp.float32),
+        )
         if grad_unscale is None:
             scale = lambda u: u * k.astype(u.dtype)  # noqa: E731
         else:
@@ -225,7 +228,8 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
     Unlike ``optax.apply_if_finite``, it never applies a non-finite update, however many come in
     a row: a run that keeps producing NaN stalls visibly (``streak``) instead of poisoning its
     parameters. The skipped branch is not computed (``lax.cond``); a Python bool ``finite``
-    picks the branch at trace time (``apply_update`` traces both so, then selects).
+    picks the branch at trace time (``update_outcomes`` traces both so; ``apply_update`` then
+    selects, the train step keeps one by its own verdict).
     """
     inner = optax.with_extra_args_support(inner)
 
@@ -347,10 +351,12 @@ def update_outcomes(tx, grads, opt_state, params, **extra):
     per-element mask in the clip) and the skip with ``False`` (the inner state as it was, the
     guard's own counters moved: the loss scale backed off, the skip streak counted). Nothing
     is selected here: the caller keeps the parameters and the inner state by the step's own
-    verdict. The train step keeps them with one ``cond`` (``train.train_step``), so the new
-    moments are written once and the parameter kernel reads them, as in a plain optax step: a
-    select per leaf made each parameter's kernel recompute the moments it could not read (the
-    selected ones are not the new ones) and grew every optimizer kernel by the selects.
+    verdict. The train step keeps them with one ``cond`` (``train.train_step``; the kept
+    branch selects the skip's or the old optimizer state, which differ only in the guard's
+    scalar counters), so the new moments are written once and the parameter kernel reads
+    them, as in a plain optax step: a select per leaf made each parameter's kernel recompute
+    the moments it could not read (the selected ones are not the new ones) and grew every
+    optimizer kernel by the selects.
 
     Args:
       tx: a ``guard(...)`` optimizer.

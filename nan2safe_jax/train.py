@@ -278,10 +278,13 @@ def train_step(
     all-reduces (``probe.partitioned``); the same statistics.
 
     A step that is not applied (``metrics["skipped"]``) returns every variable of the state as
-    it was — parameters, optimizer state, the model's other variables (BatchNorm statistics),
-    detector baselines — except the gears, the loss scale after a model fault (it must back
-    off) and the step counter. A batch with a non-finite float is data, not a fault
-    (``metrics["polluted"]``): it is skipped with the gears and the loss scale untouched.
+    it was — parameters, the optimizer's own state (Adam's moments), the model's other
+    variables (BatchNorm statistics), detector baselines — except the gears, the step counter
+    and, after non-finite gradients, the guard's counters (the loss scale backs off, the skip
+    count and streak grow). After a bad update (finite gradients, a non-finite change) the
+    whole optimizer state is kept. A batch with a non-finite float is data, not a fault
+    (``metrics["polluted"]``): it is skipped with the gears and the whole optimizer state,
+    loss scale included, untouched.
     """
     if partitioned:
         with probe_lib.partitioned():

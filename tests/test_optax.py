@@ -278,3 +278,17 @@ def test_geared_clip_known_finite_skips_the_mask_with_the_same_result(dtype):
         return str(jax.make_jaxpr(f)(g)).count("is_finite")
 
     assert checks(True) == 1 and checks(None) == 1 + len(g)  # the norm's; no mask per leaf
+
+
+def test_geared_clip_takes_a_float64_norm_under_x64():
+    """With x64 on, a caller's float64 ``grad_norm`` still gives f32 clipped updates (the
+    multiplier's ``lax.cond`` branches must agree in dtype)."""
+    if not hasattr(jax, "enable_x64"):
+        pytest.skip("jax.enable_x64 not in this JAX")
+    with jax.enable_x64(True):
+        g = {"w": jnp.asarray([3.0, 4.0], jnp.float32)}
+        tx = n2s_optax.geared_clip(1.0)
+        norm = jnp.asarray(5.0, jnp.float64)
+        out, _ = tx.update(g, tx.init(g), grad_norm=norm, grad_unscale=jnp.float32(1.0))
+    assert out["w"].dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out["w"]), [0.6, 0.8], rtol=1e-6)

@@ -107,6 +107,62 @@ def test_nonfinite_update_from_finite_gradients_is_skipped_and_escalates(factor)
     assert int(m["next_gear"]) == Gear.STABLE
 
 
+def _push_first_up_kernel(amount):
+    """An optimizer transform adding ``amount`` to element [0, 0] of block 0's ``up`` kernel."""
+
+    def update(updates, state, params=None):
+        del params
+
+        def one(path, u):
+            name = jax.tree_util.keystr(path)
+            if "blocks" in name and "[0]" in name and "up" in name and "kernel" in name:
+                return u.at[0, 0].add(jnp.asarray(amount, u.dtype))
+            return u
+
+        return jax.tree_util.tree_map_with_path(one, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_an_update_that_overflows_the_parameter_dtype_is_a_bad_update(dtype):
+    """A finite update that takes a parameter past its dtype's largest value (stored as inf)
+    is a bad update: the parameters stay finite. XLA may compute the change in f32 before it
+    is rounded to the parameter's dtype (excess precision); the check must see the stored
+    value. The weight sits on an input feature that is 0 in the data, so it changes nothing
+    in the forward and its gradient is finite."""
+    big = float(jnp.finfo(dtype).max)
+    model = Net(rngs=nnx.Rngs(0), dtype=dtype)
+    kernel = model.blocks[0].up.kernel
+    kernel[...] = kernel[...].at[0, 0].set(jnp.asarray(0.75 * big, dtype))
+    cfg = Config(loss_scale_init=1.0, clip_norm=None)
+    tx = optax.chain(optax.sgd(1e-3), _push_first_up_kernel(0.5 * big))
+    state = TrainState.create(model, nan2safe.optax.guard(tx, cfg), cfg)
+    x, y = data(1, dtype=dtype)
+    new, m = make_train_step(loss_fn)(state, (x[0].at[:, 0].set(0), y[0]))
+    assert bool(m["finite"]) and bool(m["bad_update"]) and bool(m["skipped"])
+    _leaves_equal((new.params, new.opt_state), (state.params, state.opt_state))
+
+
+def test_a_plain_optimizer_state_is_kept_after_nonfinite_gradients():
+    """A state whose optimizer is not a ``guard`` (built by hand, not by ``TrainState.create``)
+    keeps its parameters and optimizer state after non-finite gradients too."""
+    tx = optax.with_extra_args_support(optax.adam(1e-3))
+    state = TrainState.create(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3))
+    state = state.replace(tx=tx, opt_state=tx.init(state.params))
+
+    def nan_on_marker(model, batch):  # finite data; the loss is NaN where x[0, 0] is 1e3
+        return loss_fn(model, batch) * jnp.where(batch[0][0, 0] == 1e3, jnp.nan, 1.0)
+
+    x, y = data(2)
+    step = make_train_step(nan_on_marker)
+    moved, m = step(state, (x[0], y[0]))
+    assert not bool(m["skipped"])
+    new, m = step(moved, (x[1].at[0, 0].set(1e3), y[1]))
+    assert not bool(m["finite"]) and not bool(m["polluted"]) and bool(m["skipped"])
+    _leaves_equal((new.params, new.opt_state), (moved.params, moved.opt_state))
+
+
 def test_safe_lr_cut_applies_to_the_safe_site_only_and_on_its_last_safe_step():
     cfg = Config(clip_norm=None, safe_max_steps=1, loss_scale_init=1.0)
     state = TrainState.create(Net(rngs=nnx.Rngs(0)), optax.sgd(0.5), cfg)
