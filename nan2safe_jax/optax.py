@@ -161,7 +161,7 @@ def geared_clip(
         thr = max_norm * jnp.asarray(factors, jnp.float32)[jnp.clip(_level(gear), 0, 2)]
         norm = global_norm(updates) if grad_norm is None else grad_norm
         ok = jnp.isfinite(norm)
-        factor = lambda: jnp.minimum(1.0, thr / jnp.maximum(norm, 1e-30))  # noqa: E731
+        factor = jnp.minimum(1.0, thr / jnp.maximum(norm, 1e-30))
         unscale = 1.0 if grad_unscale is None else jnp.asarray(grad_unscale, jnp.float32)
         # The multiplier is a ``lax.cond``'s result, not a ``jnp.where``'s: XLA copies a scalar
         # computation into every kernel that reads it (two or three per parameter, each then
@@ -169,7 +169,7 @@ def geared_clip(
         # compile time follows the fused instructions); a cond's result is read as a value.
         k = jax.lax.cond(
             ok,
-            lambda: (factor() * unscale).astype(jnp.float32),  # a float64 norm (x64) too
+            lambda: (factor * unscale).astype(jnp.float32),  # a float64 norm (x64) too
             lambda: jnp.zeros([], jnp.float32),
         )
         if grad_unscale is None:
@@ -182,7 +182,7 @@ def geared_clip(
             clipped = jax.tree_util.tree_map(
                 lambda u: jnp.where(jnp.isfinite(u), scale(u), 0).astype(u.dtype), updates
             )
-        hit = (~ok | (factor() < 1.0)).astype(jnp.int32)
+        hit = (~ok | (factor < 1.0)).astype(jnp.int32)
         return clipped, GearedClipState(saturating_add(state.clipped, hit))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
