@@ -108,6 +108,11 @@ class TransformerConfig:
     # whose core is a ``nan2safe.nn.Site`` on nan2safe layers (what an incident in the hand-written
     # core suggests; the same plain function on flax layers)
     attention: str = "mha"
+    # The fault-injection ``Knob``s (``qk_gain``, ``head_scale``, ``embed_scale``); False builds
+    # the model without them (``set_knob`` then finds none): the math of a plain flax twin, for
+    # benchmarks that compare the two (a knob is a multiply by a runtime scalar, in every kernel
+    # that reads the value it scales).
+    knobs: bool = True
 
     def __post_init__(self):
         for name in ("num_layers", "d_model", "num_heads", "seq_len", "vocab"):
@@ -305,12 +310,15 @@ class Block(nnx.Module):
             )
         self.ln2 = _norm(cfg, rngs)
         self.mlp = MoE(cfg, rngs=rngs) if cfg.num_experts else MLP(cfg, rngs=rngs)
-        self.qk_gain = Knob(jnp.ones((), jnp.float32))
+        self.qk_gain = Knob(jnp.ones((), jnp.float32)) if cfg.knobs else None
 
     def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
         h = self.ln1(x)
-        qk = h * jnp.sqrt(self.qk_gain[...]).astype(h.dtype)
-        x = x + self.attn(qk, qk, h, mask=mask)
+        if self.qk_gain is None:
+            x = x + self.attn(h, h, h, mask=mask)
+        else:
+            qk = h * jnp.sqrt(self.qk_gain[...]).astype(h.dtype)
+            x = x + self.attn(qk, qk, h, mask=mask)
         return x + self.mlp(self.ln2(x))
 
 
@@ -379,8 +387,8 @@ class Transformer(nnx.Module):
         self.norm = _norm(cfg, rngs)
         self.head = lib.Linear(cfg.d_model, cfg.vocab, **kw)
         self.loss = nn.CrossEntropy() if cfg.layers == "nan2safe" else OptaxCrossEntropy()
-        self.head_scale = Knob(jnp.ones((), jnp.float32))
-        self.embed_scale = Knob(jnp.ones((), jnp.float32))
+        self.head_scale = Knob(jnp.ones((), jnp.float32)) if cfg.knobs else None
+        self.embed_scale = Knob(jnp.ones((), jnp.float32)) if cfg.knobs else None
 
     def __call__(self, tokens: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         """``tokens i32[B, T]`` (T <= seq_len), ``mask bool[B, T]`` -> logits ``[B, T, vocab]``."""
@@ -389,8 +397,9 @@ class Transformer(nnx.Module):
         if t > cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds seq_len={cfg.seq_len}")
         x = self.embed(tokens) + self.pos(jnp.arange(t))
-        # scaled in f32, so the first value to overflow is the grown activation, not the knob
-        x = (x.astype(jnp.float32) * self.embed_scale[...]).astype(x.dtype)
+        if self.embed_scale is not None:
+            # scaled in f32, so the first value to overflow is the grown activation, not the knob
+            x = (x.astype(jnp.float32) * self.embed_scale[...]).astype(x.dtype)
         amask = attention_mask(mask, cfg.pad_mask, t)
 
         def run(block: Block, x: jax.Array, amask: jax.Array) -> jax.Array:
@@ -409,6 +418,8 @@ class Transformer(nnx.Module):
             for block in self.blocks:
                 x = run(block, x, amask)
         logits = self.head(self.norm(x))
+        if self.head_scale is None:
+            return logits
         return logits * self.head_scale[...].astype(logits.dtype)
 
 

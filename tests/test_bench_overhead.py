@@ -37,3 +37,29 @@ def test_repeated_compile_runs_report_medians_and_keep_every_run(bench):
     )
     assert "median of 4 runs per arm" in table[1]
     assert table[-1].endswith("compile runs 9.0 5.0 7.0")
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_the_timed_model_has_no_knobs_and_computes_what_the_knobbed_one_does(bench, scan_layers):
+    """The nan2safe arm's model is built without the fault-injection knobs (the plain twin has
+    none); at knob 1.0 the knobbed model computes the same logits, bit for bit."""
+    import argparse
+    import dataclasses
+
+    import jax
+    from flax import nnx
+
+    from examples.transformer import Knob, Transformer, make_batch, set_knob
+
+    size = dict(layers=1, d_model=32, heads=2, seq=8, dtype="float32", scan_layers=scan_layers)
+    cfg = bench._model_cfg(argparse.Namespace(**size))
+    assert cfg.knobs is False
+    bare = Transformer(cfg, rngs=nnx.Rngs(0))
+    knobbed = Transformer(dataclasses.replace(cfg, knobs=True), rngs=nnx.Rngs(0))
+    assert not jax.tree.leaves(nnx.state(bare, Knob))
+    assert jax.tree.leaves(nnx.state(knobbed, Knob))
+    with pytest.raises(ValueError, match="no Knob named"):
+        set_knob(bare, "qk_gain", 2.0)
+    batch = make_batch(jax.random.key(0), cfg, 2)
+    same = jax.tree.map(lambda a, b: bool((a == b).all()), bare(**batch), knobbed(**batch))
+    assert jax.tree.leaves(same) == [True]
