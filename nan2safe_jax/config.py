@@ -70,8 +70,8 @@ class Config:
       spike_max_rollbacks: loss-spike rollbacks at most per ``Trainer``; later spikes are logged.
       probes: the probe kinds the sites compute and the detector watches, a tuple of names from
         ``nan2safe_jax.probe.PROBE_KINDS``; default ``probe.DEFAULT_PROBES``: every kind but
-        ``attn_probs`` (an extra pass over an op's largest tensor) and ``norm_input`` (opt-in;
-        ``benchmarks/probe_set.py`` measures what each kind adds and costs).
+        ``attn_probs`` (an extra pass over an op's largest tensor) and ``norm_output`` (it
+        added no lead; ``benchmarks/probe_set.py`` measures what each kind adds and costs).
         Widen it (``PROBE_KINDS``) or narrow it (``()``: only the loss and gradient probes);
         a kind that is off is not traced, so it costs nothing.
     """

@@ -25,8 +25,8 @@ def test_candidate_names(bench):
     assert bench.parse_set("default") == DEFAULT_PROBES
     assert bench.parse_set("all") == PROBE_KINDS
     assert bench.parse_set("attn_logits+router_logits") == ("attn_logits", "router_logits")
-    rest = bench.parse_set("default-norm_output-loss_logits")
-    assert set(rest) == set(DEFAULT_PROBES) - {"norm_output", "loss_logits"}
+    rest = bench.parse_set("default-norm_inv_std-loss_logits")
+    assert set(rest) == set(DEFAULT_PROBES) - {"norm_inv_std", "loss_logits"}
     for bad in ("default-attn_probs", "nope", "attn_logits+nope"):
         with pytest.raises(ValueError, match="--sets"):
             bench.parse_set(bad)
