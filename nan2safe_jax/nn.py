@@ -931,7 +931,9 @@ class CrossEntropy(_Site):
     """The loss as a site: mean next-token cross-entropy through ``ops.cross_entropy`` (f32).
 
     Not a ``flax.nnx`` module (flax has none); it gives the loss its own gear and name so the
-    localizer and the gear state treat it like any other site. Probe: ``probe_logits``.
+    localizer and the gear state treat it like any other site. FAST computes what a flax user's
+    loss does, bit for bit: ``optax.softmax_cross_entropy_with_integer_labels``, then the mean
+    over the (masked) tokens in f32. Probe: ``probe_logits``.
     """
 
     probe_kinds = MappingProxyType({"probe_logits": "loss_logits"})
