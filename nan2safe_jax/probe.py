@@ -52,11 +52,12 @@ PROBE_KINDS = (
 # but ``attn_probs`` (a full extra pass over the attention weights; ``attn_logits`` watches the
 # same rows) and ``norm_output``. ``attn_logits`` and ``router_logits`` give the default its 10
 # steps of lead on the zoo's q·k and router growth; only ``norm_input`` sees a growing residual
-# stream (10 steps of lead there). ``norm_output`` added no lead on any scenario (a normalised
-# output is bounded by construction) and was the costliest norm probe (a sampled output and
-# a full statistics sweep); ``norm_inv_std`` stays: it is what sees a variance collapse. The
-# number of probes is unchanged by the swap (one per norm either way), so the thresholds
-# (Bonferroni over probes) are the same; benchmarks/false_alarms.py was re-run with this set.
+# stream (10 steps of lead there) and only ``loss_logits`` growing LM-head logits (14 steps).
+# ``norm_output`` added no lead on any scenario (a normalised output is bounded by
+# construction) and was the costliest norm probe (a sampled output and a full statistics
+# sweep); ``norm_inv_std`` stays: it is what sees a variance collapse. The number of probes is
+# unchanged by the swap (one per norm either way), so the thresholds (Bonferroni over probes)
+# are the same; benchmarks/false_alarms.py was re-run with this set.
 DEFAULT_PROBES = tuple(k for k in PROBE_KINDS if k not in ("attn_probs", "norm_output"))
 
 _ENABLED: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
