@@ -71,7 +71,8 @@ def _params_equal(ours, theirs):
 
 
 def _compare(ours, theirs, args, dt, call=lambda m, *a: m(*a), flax_jit=True):
-    """Forward under jit bit-for-bit; gradients w.r.t. params and the first input.
+    """Forward under jit bit-for-bit; gradients w.r.t. params and the first input. Returns our
+    jitted forward's output.
 
     ``flax_jit=False`` runs flax eagerly: JAX 0.10's ``jax.nn.dot_product_attention`` asks for
     the ``F16_F16_F32`` dot algorithm, which CPU rejects at compile time, so flax's fp16
@@ -100,12 +101,9 @@ def _compare(ours, theirs, args, dt, call=lambda m, *a: m(*a), flax_jit=True):
     # dtype. Jitted, that is the FAST-only program's site (every gear ``fast_only_gear``); where
     # flax runs eagerly, a concrete gear eagerly.
     fast = _fast_only(ours) if flax_jit else ours
-    for a, b in zip(
-        jax.tree.leaves(tjit(gfun)(fast, *args)),
-        jax.tree.leaves(tjit(gfun)(theirs, *args)),
-        strict=True,
-    ):
+    for a, b in zip(jax.tree.leaves(tjit(gfun)(fast, *args)), lt, strict=True):
         _same(a, b)
+    return fo
 
 
 def _fast_only(module):
@@ -122,8 +120,7 @@ def _fast_only(module):
 def test_linear(dt, pet):
     kw = dict(dtype=dt, preferred_element_type=pet)
     ours, theirs = nn.Linear(8, 5, rngs=nnx.Rngs(0), **kw), nnx.Linear(8, 5, rngs=nnx.Rngs(0), **kw)
-    _compare(ours, theirs, (_x((2, 3, 8), dt),), dt)
-    y = ours(_x((2, 3, 8), dt))
+    y = _compare(ours, theirs, (_x((2, 3, 8), dt),), dt)
     assert y.dtype == (pet or dt)
 
 
@@ -142,9 +139,21 @@ def test_embed(dt):
     assert bool(jnp.all(jnp.isfinite(one_o(ids))))
 
 
-@pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("fast_var, masked", [(True, False), (False, True)])
-@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+def _norm_cases():
+    """Both kinds, both variants, every dtype; ``make test`` keeps each kind's variants in
+    alternating dtypes (every dtype and every variant once per kind), the rest is ``slow``."""
+    variants = [(True, False), (False, True)]  # (use_fast_variance, masked)
+    out = []
+    for k, kind in enumerate(["LayerNorm", "RMSNorm"]):
+        for d, dt in enumerate(DTYPES):
+            for v, (fast_var, masked) in enumerate(variants):
+                marks = [] if (k + d + v) % 2 == 0 else [pytest.mark.slow]
+                name = f"{kind}-{fast_var}-{masked}-{jnp.dtype(dt).name}"
+                out.append(pytest.param(kind, dt, fast_var, masked, marks=marks, id=name))
+    return out
+
+
+@pytest.mark.parametrize("kind, dt, fast_var, masked", _norm_cases())
 def test_norms(kind, dt, fast_var, masked):
     kw = dict(dtype=dt, use_fast_variance=fast_var)
     ours = getattr(nn, kind)(16, rngs=nnx.Rngs(0), **kw)
@@ -168,59 +177,58 @@ def _mha_pair(**kw):
 
 
 def _mha_cases():
-    """Every case in every dtype; ``make test`` keeps each case once and each dtype once.
+    """Every feature alone in every dtype (``slow``), and in ``make test`` every feature and
+    every dtype in three combined cases.
 
     Each case compiles flax's and our attention forward and backward (about 10 s on a loaded
-    core), so the full cross product is ``slow``; the fast set runs every dtype and every case
-    but ``plain`` (each other case is ``plain`` plus one feature, and f32 runs in
-    ``normalize_qk``), each case in one dtype, rotating.
+    core); a combined case checks its features together for the price of one.
     """
     cases = ["plain", "causal-mask", "gqa", "normalize_qk", "sow", "unbatched"]
-    fast = {
-        ("causal-mask", F16),
-        ("gqa", BF16),
-        ("sow", F16),
-        ("unbatched", BF16),
-        ("normalize_qk", F32),
-    }
-    out = []
-    for case in cases:
-        for dt in DTYPES:
-            marks = [] if (case, dt) in fast else [pytest.mark.slow]
-            out.append(pytest.param(dt, case, marks=marks, id=f"{case}-{jnp.dtype(dt).name}"))
+    out = [
+        pytest.param(dt, case, marks=pytest.mark.slow, id=f"{case}-{jnp.dtype(dt).name}")
+        for case in cases
+        for dt in DTYPES
+    ]
+    fast = [
+        ("causal-mask+gqa+sow", F16),
+        ("normalize_qk+unbatched", F32),
+        ("causal-mask+unbatched", BF16),
+    ]
+    out += [pytest.param(dt, case, id=f"{case}-{jnp.dtype(dt).name}") for case, dt in fast]
     return out
 
 
 @pytest.mark.parametrize("dt, case", _mha_cases())
 def test_mha(dt, case):
+    features = set(case.split("+"))
     kw = dict(dtype=dt, decode=False)
-    if case == "gqa":
+    if "gqa" in features:
         kw["num_kv_heads"] = 2
-    features = 8
-    if case == "normalize_qk":
+    width = 8
+    if "normalize_qk" in features:
         # head_dim 8, not 2: flax's jitted program lets XLA rewrite a head_dim-2 projection as a
         # multiply + reduce fused into the q/k LayerNorm's reductions (another summation order);
         # our projection's value passes a gear cond first. From head_dim 8 up the two agree.
         kw["normalize_qk"] = True
-        features = 32
-    ours, theirs = _mha_pair(in_features=features, **kw)
-    x = _x((2, 5, features), dt)
+        width = 32
+    ours, theirs = _mha_pair(in_features=width, **kw)
+    x = _x((2, 5, width), dt)
     mask = None
-    if case == "causal-mask":
+    causal = "causal-mask" in features
+    if causal:
         mask = jnp.ones((2, 1, 5, 5), bool).at[:, :, 1, :].set(False)  # a fully-masked row
-    if case == "unbatched":
+    if "unbatched" in features:
         x = x[0]
-    sow = case == "sow"
-    causal = case == "causal-mask"
+        mask = None if mask is None else mask[0]
+    sow = "sow" in features
 
     def call(m, x):
         return m(x, mask=mask, is_causal=causal, sow_weights=sow)
 
     on_cpu = jax.default_backend() == "cpu"
-    _compare(ours, theirs, (x,), dt, call=call, flax_jit=not (on_cpu and dt == F16 and not sow))
-    y = call(ours, x)
+    y = _compare(ours, theirs, (x,), dt, call=call, flax_jit=not (on_cpu and dt == F16 and not sow))
     assert bool(jnp.all(jnp.isfinite(y.astype(F32))))  # the fully-masked row is finite (flax)
-    if sow:
+    if sow:  # the first weights sown: those of the jitted forward
         wo = nnx.pop(ours, nnx.Intermediate)["attention_weights"]
         wt = nnx.pop(theirs, nnx.Intermediate)["attention_weights"]
         _same(wo.get_value()[0], wt.get_value()[0])

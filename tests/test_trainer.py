@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from tiny_models import FragileNet, Net, data, loss_fn, make_fragile
+from tiny_models import Net, data, loss_fn, make_fragile
 
 from nan2safe_jax import Config, Gear, Trainer, cli
 from nan2safe_jax import nn as nan2safe_nn
@@ -138,10 +138,12 @@ def jax_tree_nan(tree):
 
 
 def test_max_incidents_stops_with_the_last_report(tmp_path):
-    cfg = CFG.replace(max_incidents=2)
+    # make_fragile's model and optimizer: the programs of the test above, from the run's
+    # compilation cache (tests/conftest.py)
+    model, tx, loss, cfg = make_fragile()
+    cfg = cfg.replace(max_incidents=2)
     bad = {k: "constant_row" for k in range(0, 12)}
-    tr = Trainer(FragileNet(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, cfg, tmp_path / "r")
-    tr.state = tr.state.replace(gear=tr.state.gear)  # FAST everywhere
+    tr = Trainer(model, tx, loss, cfg, tmp_path / "r")
     with pytest.raises(NanIncidentError) as info:
         tr.fit(_batches(12, bad=bad), steps=12)
     assert info.value.report is not None
