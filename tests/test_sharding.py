@@ -38,7 +38,11 @@ STEPS = 20
 
 def _run(scenario: str, devices: int, *args: str) -> dict:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = sharding.cpu_simulation_flags(devices)
+    # LLVM at -O0: a fifth less time, mostly compiling; every comparison here is between
+    # programs this process compiled alike (sharded against single-device, at a tolerance)
+    env["XLA_FLAGS"] = (
+        sharding.cpu_simulation_flags(devices) + " --xla_backend_optimization_level=0"
+    )
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
         [sys.executable, __file__, scenario, *args],
