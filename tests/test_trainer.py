@@ -204,7 +204,7 @@ def test_sigkill_mid_run_resumes_from_the_last_complete_checkpoint(tmp_path):
     tests = str(Path(__file__).parent)
     script = tmp_path / "child.py"
     script.write_text(_CHILD.format(tests=tests, workdir=str(workdir), steps=10_000))
-    # LLVM at -O0 in the children: a fifth less compile time; nothing here compares numbers
+    # LLVM at -O0 in the children: less compile time; nothing here compares numbers
     env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_FLAGS="--xla_backend_optimization_level=0")
     proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE)
     deadline = time.time() + 120
