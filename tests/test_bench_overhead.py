@@ -47,12 +47,10 @@ def test_the_timed_model_has_no_knobs_and_computes_what_the_knobbed_one_does(ben
     import dataclasses
 
     import jax
-    import jax.numpy as jnp
     from flax import nnx
+    from tiny_models import set_fast_only
 
     from examples.transformer import Knob, Transformer, make_batch, set_knob
-    from nan2safe_jax.ops import dispatch
-    from nan2safe_jax.site import site_gears
 
     size = dict(layers=1, d_model=32, heads=2, seq=8, dtype="float32", scan_layers=scan_layers)
     cfg = bench._model_cfg(argparse.Namespace(**size))
@@ -67,8 +65,7 @@ def test_the_timed_model_has_no_knobs_and_computes_what_the_knobbed_one_does(ben
     # FAST known at trace time, as the timed FAST-only program runs the sites (and a compile of
     # a fraction of the general forward's)
     for m in (bare, knobbed):
-        for var in site_gears(m).values():
-            var.set_value(dispatch.fast_only_gear(jnp.shape(var.get_value())))
+        set_fast_only(m)
     forward = nnx.jit(lambda m, batch: m(**batch))
     same = jax.tree.map(
         lambda a, b: bool((a == b).all()), forward(bare, batch), forward(knobbed, batch)

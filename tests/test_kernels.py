@@ -7,7 +7,6 @@ runs the same tests with compiled kernels on a GPU.
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 
@@ -15,14 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_models import jit_o0
 
 from nan2safe_jax import kernels
 from nan2safe_jax.kernels import _common
 from nan2safe_jax.kernels.norms import reference as norms_ref
 from nan2safe_jax.kernels.softmax import reference as softmax_ref
 
-# -O0 for LLVM: less compile time; every check here is against exact results at a tolerance
-jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+jit = jit_o0  # every check here is against exact results at a tolerance (tiny_models.LLVM_O0)
 IMPLS = ["pallas", "reference"]
 DTYPES = [jnp.float16, jnp.bfloat16, jnp.float32]
 # dtype x implementation: the kernel in every dtype; the reference's half dtypes are slow-marked

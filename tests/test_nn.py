@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tiny_models import jit_o0, set_fast_only
 
 from examples.transformer import Transformer, TransformerConfig, lm_loss, make_batch, set_knob
 from nan2safe_jax import detector, nn, site
-from nan2safe_jax.ops import dispatch
 from nan2safe_jax.site import Probe, SiteGear
 
-# -O0 for LLVM: halves compile time, same numerics (see tests/test_ops.py)
-jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+jit = jit_o0  # compares at tolerances (tiny_models.LLVM_O0)
 F32, F16 = jnp.float32, jnp.float16
 
 
@@ -307,8 +305,7 @@ def test_scanned_remat_matches_unscanned():
         nnx.update(getattr(scanned, a), nnx.state(getattr(unscanned, a), nnx.Param))
     batch = make_batch(jax.random.key(2), cfg, 2)
     for m in (unscanned, scanned):  # FAST known at trace time: the layers, not the gear paths
-        for var in site.site_gears(m).values():
-            var.set_value(dispatch.fast_only_gear(var.get_value().shape))
+        set_fast_only(m)
     la, pa = jit(_functional(unscanned))(*_split(unscanned), batch)
     lb, pb = jit(_functional(scanned))(*_split(scanned), batch)
     np.testing.assert_allclose(la, lb, rtol=1e-5)

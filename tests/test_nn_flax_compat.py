@@ -18,10 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tiny_models import set_fast_only
 
 from nan2safe_jax import nn
-from nan2safe_jax.ops import dispatch
-from nan2safe_jax.site import site_gears
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 DTYPES = [F32, F16, BF16]
@@ -109,10 +108,7 @@ def _compare(ours, theirs, args, dt, call=lambda m, *a: m(*a), flax_jit=True):
 def _fast_only(module):
     """A copy of ``module`` whose every site gear is FAST known at trace time (what the train
     step's FAST-only program traces: no gear switch)."""
-    module = nnx.clone(module)
-    for var in site_gears(module).values():
-        var.set_value(dispatch.fast_only_gear(jnp.shape(var.get_value())))
-    return module
+    return set_fast_only(nnx.clone(module))
 
 
 @pytest.mark.parametrize("dt", DTYPES)

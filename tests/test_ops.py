@@ -13,15 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from tiny_models import jit_o0
 
 from nan2safe_jax import ops, probe
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 DTYPES = [F32, BF16, F16]
 GEARS = [0, 1, 2]
-# Tests compile many small programs: LLVM's -O0 halves the compile time and does not change
-# the numerics (XLA's HLO passes still run; LLVM never reassociates floats without fast-math).
-jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+jit = jit_o0  # compares at tolerances (tiny_models.LLVM_O0)
 # forward tolerance vs a float64 reference, by dtype (FAST computes in the dtype itself)
 TOL = {F32: 2e-5, BF16: 3e-2, F16: 4e-3}
 

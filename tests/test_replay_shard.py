@@ -13,13 +13,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tiny_models import LLVM_O0
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run() -> dict:
     env = dict(os.environ)
     # LLVM at -O0: less compile time; where a NaN or inf first appears does not depend on it
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {LLVM_O0}"
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
         [sys.executable, __file__, "run"],

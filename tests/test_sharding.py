@@ -25,7 +25,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tiny_models, when run as a script
 
-from tiny_models import Net, data, loss_fn, make_fragile  # noqa: E402
+from tiny_models import LLVM_O0, Net, data, loss_fn, make_fragile  # noqa: E402
 
 import nan2safe_jax as nan2safe  # noqa: E402
 from nan2safe_jax import probe, sharding  # noqa: E402
@@ -38,11 +38,9 @@ STEPS = 20
 
 def _run(scenario: str, devices: int, *args: str) -> dict:
     env = dict(os.environ)
-    # LLVM at -O0: a fifth less time, mostly compiling; every comparison here is between
-    # programs this process compiled alike (sharded against single-device, at a tolerance)
-    env["XLA_FLAGS"] = (
-        sharding.cpu_simulation_flags(devices) + " --xla_backend_optimization_level=0"
-    )
+    # LLVM at -O0 (a fifth less time): every comparison here is between programs this process
+    # compiled alike (sharded against single-device, at a tolerance)
+    env["XLA_FLAGS"] = f"{sharding.cpu_simulation_flags(devices)} {LLVM_O0}"
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
         [sys.executable, __file__, scenario, *args],

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from tiny_models import Net, data, loss_fn, make_fragile
+from tiny_models import LLVM_O0, Net, data, loss_fn, make_fragile
 
 from nan2safe_jax import Config, Gear, Trainer, cli
 from nan2safe_jax import nn as nan2safe_nn
@@ -205,7 +205,7 @@ def test_sigkill_mid_run_resumes_from_the_last_complete_checkpoint(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(_CHILD.format(tests=tests, workdir=str(workdir), steps=10_000))
     # LLVM at -O0 in the children: less compile time; nothing here compares numbers
-    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_FLAGS="--xla_backend_optimization_level=0")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_FLAGS=LLVM_O0)
     proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE)
     deadline = time.time() + 120
     ckpts = workdir / "checkpoints"

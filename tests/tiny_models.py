@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from nan2safe_jax import detector
-from nan2safe_jax.site import Probe, SiteGear, site_scope
+from nan2safe_jax.ops import dispatch
+from nan2safe_jax.site import Probe, SiteGear, site_gears, site_scope
 
 D = 16
+
+# LLVM at -O0: XLA's HLO passes still run, LLVM's are skipped; compiles take a fifth to a half
+# less time. The last bits of a result can move with it (a converted model's FAST forward stops
+# matching flax's bit for bit), so tests use it only where they compare at a tolerance or
+# against programs compiled alike, never for bit-equality with flax or optax.
+LLVM_O0 = "--xla_backend_optimization_level=0"  # for a subprocess's XLA_FLAGS
+jit_o0 = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+
+
+def set_fast_only(module: nnx.Module) -> nnx.Module:
+    """Every site gear of ``module`` (in place) FAST known at trace time: what the train step's
+    FAST-only program traces (each site's FAST path, no gear switch). Returns ``module``."""
+    for var in site_gears(module).values():
+        var.set_value(dispatch.fast_only_gear(jnp.shape(var.get_value())))
+    return module
 
 
 class Block(nnx.Module):
