@@ -8,7 +8,9 @@ more traced with no probe ("no-probe": the cost of the gear dispatch and FAST al
 as the train step's FAST-only program runs it ("FAST-only": its gear ``fast_only_gear()``, no
 switch; what every all-FAST step of ``make_train_step`` runs, ``nan2safe_jax.programs``). Rounds are
 interleaved (every variant once per round, in turn) and the median per-call time is reported,
-so slow drifts of a shared machine hit all variants alike.
+so slow drifts of a shared machine hit all variants alike. For the target's pair (FAST-only
+and flax) the JSON keeps every round, and the table adds the median of the rounds' paired ratios
+with its 95% bootstrap interval and a verdict (``benchmarks/measure.py``).
 
     python benchmarks/ops.py [--json out.json] [--rounds 15] [--dtype float32] [--forward]
 
@@ -26,6 +28,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +38,11 @@ from nan2safe_jax import nn, probe
 from nan2safe_jax.config import Config
 from nan2safe_jax.ops import dispatch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure import paired_ratio, ratio_text  # noqa: E402
+
 B, T, D, H, FF, V, E, K = 8, 128, 256, 4, 1024, 256, 8, 2
+TARGET = 1.05  # FAST-only / flax per module (issue #15)
 
 
 class _FlaxRouter(nnx.Module):
@@ -176,6 +183,16 @@ def table(result: dict) -> str:
             f"worst FAST-only ratio: {worst:.3f} (the site as an all-FAST train step runs it: "
             "no gear switch, default probes)."
         )
+    paired = [r for r in result["rows"] if "rounds_us" in r]  # not in JSONs of older runs
+    if paired:
+        lines.append(
+            "FAST-only / flax, median of the rounds' paired ratios (95% CI; met / missed / not "
+            "resolved at <= 1.05):"
+        )
+        for r in paired:
+            rounds = r["rounds_us"]
+            ratio = paired_ratio(rounds["FAST-only"], rounds["flax"])
+            lines.append(f"  {r['module']:<20}{ratio_text(*ratio, target=TARGET)}")
     return "\n".join(lines)
 
 
@@ -242,6 +259,8 @@ def main(argv=None) -> dict:
             k = g.lower().replace("-", "_")
             row[f"{k}_us"] = med[(name, g)] * 1e6
             row[f"{k}_ratio"] = med[(name, g)] / base
+        # every round's time of the target's pair, for the paired ratio and its interval
+        row["rounds_us"] = {g: [t * 1e6 for t in samples[(name, g)]] for g in ("flax", "FAST-only")}
         rows.append(row)
 
     mode = "forward" if args.forward else "forward+backward"

@@ -11,7 +11,10 @@ Both arms train the demo-size decoder (4 layers, d_model 256, seq 128, batch 8, 
              multiply by a runtime scalar in every kernel that reads what it scales (156 of the
              demo step's ~6,500 fused instructions, counted on 2026-12-02).
 Variants are interleaved over rounds so machine drift hits both alike; each round times
-``--steps`` steps after a warm-up. Prints min/median/max per arm and the median ratio.
+``--steps`` steps after a warm-up. Prints min/median/max per arm, the ratio of the medians, and
+the median of the rounds' paired ratios (each arm's round over the plain arm's same round) with
+its 95% bootstrap interval and a verdict against the 1.03 target: met, missed, or not resolved
+by the run (the interval straddles it) — ``benchmarks/measure.py``.
 
 ``--ablation`` adds arms that split the overhead (interleaved with the others):
   general  — the nan2safe arm with ``make_train_step(fast_program=False)``: the one general
@@ -38,7 +41,9 @@ the work done, less sensitive to other jobs on a shared machine); both ratios ar
 nan2safe (the FAST-only program: what the first step waits for) and general (the general
 program, which a run compiles in a background thread after its first step), each
 arm in a fresh subprocess (no cache shared between arms; the persistent compilation cache is
-off), with its peak RSS; a child past ``--rss-cap-gb`` is killed and reported as such.
+off), with its peak RSS and the size of what it compiled (kernels, fused instructions, XLA's
+flops and bytes accessed: the same on every run, where compile time moves by ±25%); a child
+past ``--rss-cap-gb`` is killed and reported as such.
 ``--repeats N`` runs each arm N times (arms interleaved) and reports the medians: the plain
 step's own compile time moves by ±25% between single runs on this machine.
 ``--scan-layers`` builds the nan2safe model with ``nnx.scan`` over stacked blocks (the plain
@@ -77,6 +82,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # measure
 # Timed steps run the FAST-only program; a background compile of the general one would share the
 # CPU with them (nan2safe_jax.programs).
 os.environ.setdefault("NAN2SAFE_BACKGROUND_COMPILE", "0")
@@ -85,9 +91,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from measure import paired_ratio, program_size, ratio_text  # noqa: E402
 
 import nan2safe_jax as nan2safe  # noqa: E402
 from examples.transformer import Transformer, TransformerConfig, lm_loss, make_batch  # noqa: E402
+
+TARGET = 1.03  # step time, nan2safe / plain (issue #15)
+COMPILE_TARGET = 1.3
 
 
 class PlainBlock(nnx.Module):
@@ -284,20 +294,35 @@ def _timing_table(record: dict) -> list[str]:
     cpu = record.get("cpu_median_s")
     w = max(10, *(len(k) for k in record["times_s"]))
     head = f"{'arm':<{w}} {'min ms':>9} {'median ms':>10} {'max ms':>9} {'x plain':>8}"
+    head += f" {'paired x [95% CI]':>22}"
     lines.append(head + (f" {'cpu ms':>9} {'cpu x':>7}" if cpu else ""))
     base = record["median_s"]["plain"]
+    plain = record["times_s"]["plain"]
     for k, v in record["times_s"].items():
         med = record["median_s"][k]
         row = (
             f"{k:<{w}} {min(v) * 1e3:9.2f} {med * 1e3:10.2f} {max(v) * 1e3:9.2f} {med / base:8.3f}"
         )
+        r, lo, hi = paired_ratio(v, plain)
+        row += f" {r:7.3f} [{lo:.3f}-{hi:.3f}]"
         if cpu:
             row += f" {cpu[k] * 1e3:9.2f} {cpu[k] / cpu['plain']:7.3f}"
         lines.append(row)
     if record["ratio"] is not None:
-        lines.append(f"ratio nan2safe / plain (median): {record['ratio']:.3f}x")
+        lines.append(f"ratio nan2safe / plain (ratio of the medians): {record['ratio']:.3f}x")
+        paired = paired_ratio(record["times_s"]["nan2safe"], plain)
+        lines.append(
+            "ratio nan2safe / plain (median of the rounds' ratios): "
+            + ratio_text(*paired, target=TARGET)
+        )
         if cpu:
             lines.append(f"ratio on the CPU clock (median): {cpu['nan2safe'] / cpu['plain']:.3f}x")
+            if "cpu_s" in record:
+                cpu_paired = paired_ratio(record["cpu_s"]["nan2safe"], record["cpu_s"]["plain"])
+                lines.append(
+                    "ratio on the CPU clock (median of the rounds' ratios): "
+                    + ratio_text(*cpu_paired)
+                )
     ran = record.get("programs", {})
     if ran:
         lines.append("program timed: " + ", ".join(f"{k} {p}" for k, p in ran.items()))
@@ -311,18 +336,39 @@ def _compile_table(rec: dict) -> list[str]:
         f"backend {rec['backend']}  dtype {rec['dtype']}  scan_layers {rec['scan_layers']}"
         + (f"  median of {reps} runs per arm" if reps > 1 else ""),
         _model_line(rec),
-        f"{'arm':<10} {'trace s':>8} {'compile s':>10} {'peak RSS GB':>12}",
     ]
+    sized = all("kernels" in r for r in rec["arms"].values())  # not in JSONs of older runs
+    head = f"{'arm':<10} {'trace s':>8} {'compile s':>10} {'peak RSS GB':>12}"
+    if sized:
+        head += f" {'kernels':>8} {'fused instrs':>13} {'GB accessed':>12}"
+    lines.append(head)
     for k, r in rec["arms"].items():
         if r.get("error"):
             lines.append(f"{k:<10} {r['error']}")
             continue
         line = f"{k:<10} {r['lower_s']:8.1f} {r['compile_s']:10.1f} {r['rss_gb']:12.2f}"
+        if sized:
+            line += (
+                f" {r['kernels']:8d} {r['fused_instructions']:13d}"
+                f" {r['bytes_accessed'] / 1e9:12.3f}"
+            )
         if len(r.get("compile_s_runs", ())) > 1:
             line += "   compile runs " + " ".join(f"{t:.1f}" for t in r["compile_s_runs"])
         lines.append(line)
     if rec.get("ratio") is not None:
-        lines.append(f"compile ratio nan2safe / plain: {rec['ratio']:.2f}x")
+        lines.append(
+            f"compile ratio nan2safe / plain: {rec['ratio']:.2f}x (target <= {COMPILE_TARGET})"
+        )
+    arms = rec["arms"]
+    if sized and "kernels" in arms.get("plain", {}) and "kernels" in arms.get("nan2safe", {}):
+        n, p = arms["nan2safe"], arms["plain"]
+        lines.append(
+            "program size nan2safe / plain (the same on every run): "
+            f"kernels {n['kernels'] / p['kernels']:.2f}x, fused instructions "
+            f"{n['fused_instructions'] / p['fused_instructions']:.2f}x, bytes accessed "
+            f"{n['bytes_accessed'] / max(p['bytes_accessed'], 1):.2f}x (XLA's cost analysis: "
+            "every branch of a conditional counted, the skip's too)"
+        )
     if rec.get("ratio_general") is not None:
         lines.append(
             f"compile ratio general / plain: {rec['ratio_general']:.2f}x (the general program: "
@@ -351,9 +397,10 @@ def _compile_child(args) -> None:
     t0 = time.perf_counter()
     lowered = run.lower(batch)
     t1 = time.perf_counter()
-    lowered.compile()
+    compiled = lowered.compile()
     t2 = time.perf_counter()
-    print("RESULT " + json.dumps({"lower_s": t1 - t0, "compile_s": t2 - t1}), flush=True)
+    rec = {"lower_s": t1 - t0, "compile_s": t2 - t1, **program_size(compiled)}
+    print("RESULT " + json.dumps(rec), flush=True)
 
 
 def _run_child(argv: list[str], arm: str, cap_gb: float, timeout_s: float) -> dict:
@@ -436,6 +483,9 @@ def _compile_main(args, argv) -> dict:
     return rec
 
 
+SIZE_KEYS = ("kernels", "fused_instructions", "flops", "bytes_accessed")
+
+
 def _median_run(runs: list[dict]) -> dict:
     """One arm's record over its repeats: the median ``lower_s`` and ``compile_s`` (each run's
     in ``*_runs``) and the largest peak RSS; the first error if no run finished."""
@@ -445,6 +495,7 @@ def _median_run(runs: list[dict]) -> dict:
     rec = {k: statistics.median(r[k] for r in ok) for k in ("lower_s", "compile_s")}
     rec |= {f"{k}_runs": [r[k] for r in ok] for k in ("lower_s", "compile_s")}
     rec["rss_gb"] = max(r["rss_gb"] for r in runs)
+    rec |= {k: ok[0][k] for k in SIZE_KEYS if k in ok[0]}  # the same program every run
     if len(ok) < len(runs):
         rec["failed_runs"] = [r["error"] for r in runs if "compile_s" not in r]
     return rec

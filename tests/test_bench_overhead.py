@@ -39,6 +39,44 @@ def test_repeated_compile_runs_report_medians_and_keep_every_run(bench):
     assert table[-1].endswith("compile runs 9.0 5.0 7.0")
 
 
+def test_compile_table_reports_both_programs_sizes_and_their_ratio(bench):
+    size = lambda k, f, b: dict(kernels=k, fused_instructions=f, flops=1.0, bytes_accessed=b)  # noqa: E731
+    run = lambda t, **sz: {"lower_s": 1.0, "compile_s": t, "rss_gb": 0.5, **sz}  # noqa: E731
+    plain = bench._median_run([run(2.0, **size(100, 1000, 1e9))] * 3)
+    n2s = bench._median_run([run(3.0, **size(130, 1500, 1.1e9))] * 3)
+    assert plain["kernels"] == 100 and n2s["bytes_accessed"] == 1.1e9
+    table = bench._compile_table(
+        dict(
+            command="c", backend="cpu", dtype="float32", scan_layers=False, repeats=3,
+            layers=4, d_model=256, seq=128, batch=8,
+            arms={"plain": plain, "nan2safe": n2s}, ratio=1.5,
+        )
+    )  # fmt: skip
+    assert "kernels" in table[3] and "fused instrs" in table[3]
+    assert table[5].split()[4:7] == ["130", "1500", "1.100"]
+    assert "compile ratio nan2safe / plain: 1.50x (target <= 1.3)" in table
+    assert table[-1].startswith(
+        "program size nan2safe / plain (the same on every run): kernels 1.30x, "
+        "fused instructions 1.50x, bytes accessed 1.10x"
+    )
+
+
+def test_timing_table_gives_the_paired_ratio_its_interval_and_verdict(bench, benchmark_module):
+    measure = benchmark_module("measure")
+    plain = [0.30, 0.36, 0.31, 0.40, 0.30]
+    n2s = [p * r for p, r in zip(plain, [1.01, 1.02, 1.00, 1.03, 1.02], strict=True)]
+    rec = dict(
+        backend="cpu", devices=1, dtype="float32", batch=8, layers=4, d_model=256, seq=128,
+        times_s={"plain": plain, "nan2safe": n2s},
+        median_s={"plain": 0.31, "nan2safe": sorted(n2s)[2]},
+        ratio=sorted(n2s)[2] / 0.31,
+    )  # fmt: skip
+    lines = bench._timing_table(rec)
+    expected = measure.ratio_text(*measure.paired_ratio(n2s, plain), target=1.03)
+    assert expected.startswith("1.020x (95% CI 1.000-1.030): met at <= 1.03")
+    assert f"ratio nan2safe / plain (median of the rounds' ratios): {expected}" in lines
+
+
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_the_timed_model_has_no_knobs_and_computes_what_the_knobbed_one_does(bench, scan_layers):
     """The nan2safe arm's model is built without the fault-injection knobs (the plain twin has

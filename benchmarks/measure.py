@@ -1,0 +1,99 @@
+"""What the benchmarks measure beside the clock: paired ratios with a confidence interval, and
+the size of a compiled program.
+
+On a shared 2-core machine one round of the same step moves by ±10% (a VM's neighbours, the
+CPU's clock), so a median ratio of 1.037 over 21 rounds says little about a 1.03 target on its
+own. Two answers, used by ``overhead.py`` and ``ops.py``:
+
+- ``paired_ratio``: rounds are interleaved, so round ``i`` of two arms ran under the same
+  conditions; the ratio of each round's pair cancels what the round shares, and a bootstrap
+  over the rounds gives the median ratio's 95% interval. A target is *met* when the interval
+  lies under it, *missed* when it lies over it, and *not resolved* by the run otherwise.
+- ``program_size``: what XLA compiled, counted from ``Compiled.as_text()`` and XLA's own cost
+  analysis: kernels (fusions), the instructions fused into them (compile time follows them),
+  and the flops and bytes the program touches. The same on every run of the same program.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import statistics
+from collections.abc import Sequence
+
+CONFIDENCE = 0.95
+BOOTSTRAP = 2000
+
+
+def paired_ratio(
+    arm: Sequence[float], base: Sequence[float], seed: int = 0
+) -> tuple[float, float, float]:
+    """The median of the per-round ratios ``arm[i] / base[i]`` and its 95% bootstrap interval.
+
+    Args:
+      arm, base: per-round times of two arms timed in the same rounds (same length, >= 1).
+      seed: the bootstrap's seed (the interval is reproducible from the times).
+
+    Returns:
+      ``(median, low, high)``; with one round the interval is that round's ratio.
+    """
+    if len(arm) != len(base) or not arm:
+        raise ValueError(f"paired_ratio: {len(arm)} and {len(base)} rounds")
+    ratios = [a / b for a, b in zip(arm, base, strict=True)]
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(BOOTSTRAP))
+    tail = (1 - CONFIDENCE) / 2
+    low = meds[int(tail * (BOOTSTRAP - 1))]
+    high = meds[int((1 - tail) * (BOOTSTRAP - 1) + 0.5)]
+    return statistics.median(ratios), low, high
+
+
+def verdict(low: float, high: float, target: float) -> str:
+    """``"met"`` (the interval is at or under ``target``), ``"missed"`` (over it) or
+    ``"not resolved"`` (it straddles it: more rounds or a quieter machine would decide)."""
+    if high <= target:
+        return "met"
+    if low > target:
+        return "missed"
+    return "not resolved"
+
+
+def ratio_text(ratio: float, low: float, high: float, target: float | None = None) -> str:
+    """``1.037x (95% CI 0.99-1.08)`` and, with a target, ``: not resolved at <= 1.03``."""
+    text = f"{ratio:.3f}x (95% CI {low:.3f}-{high:.3f})"
+    if target is not None:
+        text += f": {verdict(low, high, target)} at <= {target:.2f}"
+    return text
+
+
+_FUSION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = [^\n]*? fusion\([^\n]*?calls=%?([\w.\-]+)", re.M)
+_COMPUTATION = re.compile(r"^%?([\w.\-]+) \([^\n]*\) -> [^\n]*\{\n(.*?)\n\}", re.M | re.S)
+
+
+def program_size(compiled) -> dict[str, float]:
+    """The size of a compiled program.
+
+    Args:
+      compiled: a ``jax.stages.Compiled``.
+
+    Returns:
+      ``kernels`` (fusions, wherever they sit: the entry, loop bodies, branches),
+      ``fused_instructions`` (the instructions inside them), and XLA's cost analysis:
+      ``flops`` and ``bytes_accessed`` (every branch of a conditional counted, so a branch
+      that only runs on a skipped step counts as if it ran). A missing cost analysis (some
+      backends) reads as 0.
+    """
+    text = compiled.as_text()
+    bodies = {m.group(1): m.group(2) for m in _COMPUTATION.finditer(text)}
+    called = [m.group(1) for m in _FUSION.finditer(text)]
+    fused = sum(bodies.get(name, "").count("\n") + 1 for name in called)
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # one dict per device program in older JAX
+        cost = cost[0] if cost else {}
+    cost = cost or {}
+    return {
+        "kernels": len(called),
+        "fused_instructions": fused,
+        "flops": float(cost.get("flops", 0.0)),
+        "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+    }

@@ -1,0 +1,130 @@
+"""benchmarks/measure.py: paired ratios with their interval, and the size of a compiled program."""
+
+import statistics
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+
+@pytest.fixture(scope="module")
+def measure(benchmark_module):
+    return benchmark_module("measure")
+
+
+def _reference_interval(ratios, measure, seed=0):
+    """The bootstrap written out: resample the rounds, take each resample's median, read the
+    2.5% and 97.5% order statistics."""
+    import random
+
+    rng = random.Random(seed)
+    meds = []
+    for _ in range(measure.BOOTSTRAP):
+        meds.append(statistics.median([ratios[rng.randrange(len(ratios))] for _ in ratios]))
+    meds.sort()
+    n = measure.BOOTSTRAP - 1
+    return meds[int(0.025 * n)], meds[int(0.975 * n + 0.5)]
+
+
+def test_paired_ratio_is_the_median_of_the_rounds_ratios_with_its_bootstrap_interval(measure):
+    base = [10.0, 12.0, 9.0, 11.0, 10.5, 13.0, 9.5]
+    arm = [10.4, 12.9, 9.1, 11.6, 10.6, 13.1, 10.2]
+    ratio, low, high = measure.paired_ratio(arm, base)
+    ratios = [a / b for a, b in zip(arm, base, strict=True)]
+    assert ratio == statistics.median(ratios)
+    assert (low, high) == _reference_interval(ratios, measure)
+    assert min(ratios) <= low <= ratio <= high <= max(ratios)
+    assert measure.paired_ratio(arm, base) == (ratio, low, high)  # the seed makes it repeatable
+
+
+def test_a_round_shared_by_both_arms_cancels_in_the_paired_ratio(measure):
+    """A slow spell that hits both arms of a round moves the ratio of medians, not the paired
+    ratio: the reason the benchmarks pair rounds."""
+    slow = [1.0, 1.0, 3.0, 3.0, 3.0, 1.0, 1.0, 1.0, 3.0]
+    base = [s * 1.0 for s in slow]
+    arm = [s * 1.02 for s in slow]
+    assert measure.paired_ratio(arm, base) == pytest.approx((1.02, 1.02, 1.02))
+
+
+def test_paired_ratio_needs_rounds_of_both_arms(measure):
+    with pytest.raises(ValueError, match="rounds"):
+        measure.paired_ratio([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="rounds"):
+        measure.paired_ratio([], [])
+
+
+@pytest.mark.parametrize(
+    "low, high, expected",
+    [(0.98, 1.02, "met"), (1.031, 1.09, "missed"), (0.99, 1.05, "not resolved")],
+)
+def test_verdict_reads_the_interval_against_the_target(measure, low, high, expected):
+    assert measure.verdict(low, high, 1.03) == expected
+    assert measure.ratio_text(1.0, low, high, 1.03).endswith(f"{expected} at <= 1.03")
+
+
+class _FakeCompiled:
+    """A ``Compiled`` stand-in: its text and cost analysis as given."""
+
+    def __init__(self, text, cost):
+        self._text, self._cost = text, cost
+
+    def as_text(self):
+        return self._text
+
+    def cost_analysis(self):
+        return self._cost
+
+
+_HLO = """HloModule m
+
+%fused_a (p0: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  %e = f32[4]{0} exponential(%p0)
+  ROOT %n = f32[4]{0} negate(%e)
+}
+
+%fused_b (q0: f32[4]) -> f32[] {
+  %q0 = f32[4]{0} parameter(0)
+  %z = f32[] constant(0)
+  ROOT %r = f32[] reduce(%q0, %z), dimensions={0}, to_apply=%add
+}
+
+%body (t: f32[4]) -> f32[4] {
+  %t = f32[4]{0} parameter(0)
+  ROOT %f2 = f32[4]{0} fusion(%t), kind=kLoop, calls=%fused_a
+}
+
+ENTRY %main (x: f32[4]) -> f32[] {
+  %x = f32[4]{0} parameter(0)
+  %f1 = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_a, metadata={op_name="exp"}
+  ROOT %f3 = f32[] fusion(%f1), kind=kLoop, calls=%fused_b
+}
+"""
+
+
+def test_program_size_counts_every_kernel_and_what_is_fused_into_it(measure):
+    size = measure.program_size(
+        _FakeCompiled(_HLO, [{"flops": 12.0, "bytes accessed": 48.0, "utilization": 1.0}])
+    )
+    # fused_a is called twice (the entry and a loop body): two kernels of 3 instructions each
+    assert size == {
+        "kernels": 3,
+        "fused_instructions": 3 + 3 + 3,
+        "flops": 12.0,
+        "bytes_accessed": 48.0,
+    }
+    assert measure.program_size(_FakeCompiled(_HLO, None))["flops"] == 0.0
+
+
+def test_program_size_of_a_real_program_grows_with_its_kernels(measure):
+    """Two reductions over different axes are two kernels (XLA fuses the elementwise work
+    into each); one elementwise chain is one."""
+    x = jnp.ones((64, 64), jnp.float32)
+    one = jax.jit(lambda x: jnp.exp(x) * 2).lower(x).compile()
+    two = jax.jit(lambda x: (jnp.sum(jnp.exp(x), 0), jnp.max(jnp.tanh(x), 1))).lower(x).compile()
+    small, big = measure.program_size(one), measure.program_size(two)
+    assert small["kernels"] >= 1 and small["fused_instructions"] >= 3
+    assert big["kernels"] > small["kernels"]
+    assert big["fused_instructions"] > small["fused_instructions"]
+    assert big["flops"] > small["flops"] > 0
+    assert small["bytes_accessed"] >= 2 * x.nbytes  # reads x, writes its result
