@@ -80,8 +80,9 @@ def program_size(compiled) -> dict[str, float]:
       ``kernels`` (fusions, wherever they sit: the entry, loop bodies, branches),
       ``fused_instructions`` (the instructions inside them), and XLA's cost analysis:
       ``flops`` and ``bytes_accessed`` (every branch of a conditional counted, so a branch
-      that only runs on a skipped step counts as if it ran). A missing cost analysis (some
-      backends) reads as 0.
+      that only runs on a skipped step counts as if it ran; a loop body, e.g. scanned
+      layers, once however many times it runs). A missing cost analysis (some backends)
+      reads as 0.
     """
     text = compiled.as_text()
     bodies = {m.group(1): m.group(2) for m in _COMPUTATION.finditer(text)}

@@ -367,7 +367,7 @@ def _compile_table(rec: dict) -> list[str]:
             f"kernels {n['kernels'] / p['kernels']:.2f}x, fused instructions "
             f"{n['fused_instructions'] / p['fused_instructions']:.2f}x, bytes accessed "
             f"{n['bytes_accessed'] / max(p['bytes_accessed'], 1):.2f}x (XLA's cost analysis: "
-            "every branch of a conditional counted, the skip's too)"
+            "every branch of a conditional counted, the skip's too; a scanned body once)"
         )
     if rec.get("ratio_general") is not None:
         lines.append(
