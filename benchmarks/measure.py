@@ -10,8 +10,9 @@ own. Two answers, used by ``overhead.py`` and ``ops.py``:
   over the rounds gives the median ratio's 95% interval. A target is *met* when the interval
   lies under it, *missed* when it lies over it, and *not resolved* by the run otherwise.
 - ``program_size``: what XLA compiled, counted from ``Compiled.as_text()`` and XLA's own cost
-  analysis: kernels (fusions), the instructions fused into them (compile time follows them),
-  and the flops and bytes the program touches. The same on every run of the same program.
+  analysis: kernels (fusions), the instructions fused into them, the distinct ones among both
+  (what compile time follows more closely), and the flops and bytes the program touches. The
+  same on every run of the same program.
 """
 
 from __future__ import annotations
@@ -70,6 +71,12 @@ _FUSION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = [^\n]*? fusion\([^\n]*?calls=%
 _COMPUTATION = re.compile(r"^%?([\w.\-]+) \([^\n]*\) -> [^\n]*\{\n(.*?)\n\}", re.M | re.S)
 
 
+def _anonymous(body: str) -> str:
+    """A fused computation without its names and metadata: two kernels that compute the same
+    thing on the same shapes read the same (XLA's CPU backend compiles such a kernel once)."""
+    return re.sub(r"%[\w.\-]+", "%", re.sub(r", metadata=\{[^}]*\}", "", body))
+
+
 def program_size(compiled) -> dict[str, float]:
     """The size of a compiled program.
 
@@ -78,7 +85,10 @@ def program_size(compiled) -> dict[str, float]:
 
     Returns:
       ``kernels`` (fusions, wherever they sit: the entry, loop bodies, branches),
-      ``fused_instructions`` (the instructions inside them), and XLA's cost analysis:
+      ``fused_instructions`` (the instructions inside them), ``distinct_kernels`` and
+      ``distinct_fused_instructions`` (the same over kernels that differ once names are
+      ignored: an identical kernel, e.g. one per repeated layer, compiles once, and compile
+      time followed these more closely than the raw counts here), and XLA's cost analysis:
       ``flops`` and ``bytes_accessed`` (every branch of a conditional counted, so a branch
       that only runs on a skipped step counts as if it ran; a loop body, e.g. scanned
       layers, once however many times it runs). A missing cost analysis (some backends)
@@ -88,6 +98,7 @@ def program_size(compiled) -> dict[str, float]:
     bodies = {m.group(1): m.group(2) for m in _COMPUTATION.finditer(text)}
     called = [m.group(1) for m in _FUSION.finditer(text)]
     fused = sum(bodies.get(name, "").count("\n") + 1 for name in called)
+    distinct = {_anonymous(bodies.get(name, "")) for name in called}
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # one dict per device program in older JAX
         cost = cost[0] if cost else {}
@@ -95,6 +106,8 @@ def program_size(compiled) -> dict[str, float]:
     return {
         "kernels": len(called),
         "fused_instructions": fused,
+        "distinct_kernels": len(distinct),
+        "distinct_fused_instructions": sum(b.count("\n") + 1 for b in distinct),
         "flops": float(cost.get("flops", 0.0)),
         "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
     }

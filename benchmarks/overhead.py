@@ -329,6 +329,12 @@ def _timing_table(record: dict) -> list[str]:
     return lines
 
 
+def _with_distinct(run: dict, key: str) -> str:
+    """``"868 (210)"``: a size and, when recorded, its distinct part (``measure.program_size``)."""
+    d = run.get(f"distinct_{key}")
+    return f"{run[key]}" + ("" if d is None else f" ({d})")
+
+
 def _compile_table(rec: dict) -> list[str]:
     reps = rec.get("repeats", 1)
     lines = [
@@ -340,7 +346,7 @@ def _compile_table(rec: dict) -> list[str]:
     sized = all("kernels" in r for r in rec["arms"].values())  # not in JSONs of older runs
     head = f"{'arm':<10} {'trace s':>8} {'compile s':>10} {'peak RSS GB':>12}"
     if sized:
-        head += f" {'kernels':>8} {'fused instrs':>13} {'GB accessed':>12}"
+        head += f" {'kernels (distinct)':>19} {'fused instrs (distinct)':>24} {'GB accessed':>12}"
     lines.append(head)
     for k, r in rec["arms"].items():
         if r.get("error"):
@@ -349,7 +355,7 @@ def _compile_table(rec: dict) -> list[str]:
         line = f"{k:<10} {r['lower_s']:8.1f} {r['compile_s']:10.1f} {r['rss_gb']:12.2f}"
         if sized:
             line += (
-                f" {r['kernels']:8d} {r['fused_instructions']:13d}"
+                f" {_with_distinct(r, 'kernels'):>19} {_with_distinct(r, 'fused_instructions'):>24}"
                 f" {r['bytes_accessed'] / 1e9:12.3f}"
             )
         if len(r.get("compile_s_runs", ())) > 1:
@@ -362,10 +368,17 @@ def _compile_table(rec: dict) -> list[str]:
     arms = rec["arms"]
     if sized and "kernels" in arms.get("plain", {}) and "kernels" in arms.get("nan2safe", {}):
         n, p = arms["nan2safe"], arms["plain"]
+        distinct = ""
+        if "distinct_kernels" in n and "distinct_kernels" in p:
+            distinct = (
+                f", distinct kernels {n['distinct_kernels'] / p['distinct_kernels']:.2f}x, "
+                "distinct fused instructions "
+                f"{n['distinct_fused_instructions'] / p['distinct_fused_instructions']:.2f}x"
+            )
         lines.append(
             "program size nan2safe / plain (the same on every run): "
             f"kernels {n['kernels'] / p['kernels']:.2f}x, fused instructions "
-            f"{n['fused_instructions'] / p['fused_instructions']:.2f}x, bytes accessed "
+            f"{n['fused_instructions'] / p['fused_instructions']:.2f}x{distinct}, bytes accessed "
             f"{n['bytes_accessed'] / max(p['bytes_accessed'], 1):.2f}x (XLA's cost analysis: "
             "every branch of a conditional counted, the skip's too; a scanned body once)"
         )
@@ -483,7 +496,14 @@ def _compile_main(args, argv) -> dict:
     return rec
 
 
-SIZE_KEYS = ("kernels", "fused_instructions", "flops", "bytes_accessed")
+SIZE_KEYS = (
+    "kernels",
+    "fused_instructions",
+    "distinct_kernels",
+    "distinct_fused_instructions",
+    "flops",
+    "bytes_accessed",
+)
 
 
 def _median_run(runs: list[dict]) -> dict:

@@ -94,10 +94,17 @@ _HLO = """HloModule m
   ROOT %f2 = f32[4]{0} fusion(%t), kind=kLoop, calls=%fused_a
 }
 
+%fused_c (r0: f32[4]) -> f32[4] {
+  %r0 = f32[4]{0} parameter(0)
+  %e2 = f32[4]{0} exponential(%r0), metadata={op_name="exp"}
+  ROOT %n2 = f32[4]{0} negate(%e2)
+}
+
 ENTRY %main (x: f32[4]) -> f32[] {
   %x = f32[4]{0} parameter(0)
   %f1 = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_a, metadata={op_name="exp"}
-  ROOT %f3 = f32[] fusion(%f1), kind=kLoop, calls=%fused_b
+  %f4 = f32[4]{0} fusion(%f1), kind=kLoop, calls=%fused_c
+  ROOT %f3 = f32[] fusion(%f4), kind=kLoop, calls=%fused_b
 }
 """
 
@@ -106,10 +113,13 @@ def test_program_size_counts_every_kernel_and_what_is_fused_into_it(measure):
     size = measure.program_size(
         _FakeCompiled(_HLO, [{"flops": 12.0, "bytes accessed": 48.0, "utilization": 1.0}])
     )
-    # fused_a is called twice (the entry and a loop body): two kernels of 3 instructions each
+    # fused_a is called twice (the entry and a loop body), fused_c is fused_a under other names
+    # and metadata: four kernels of 3 instructions each, two of them distinct
     assert size == {
-        "kernels": 3,
-        "fused_instructions": 3 + 3 + 3,
+        "kernels": 4,
+        "fused_instructions": 3 * 4,
+        "distinct_kernels": 2,
+        "distinct_fused_instructions": 3 + 3,
         "flops": 12.0,
         "bytes_accessed": 48.0,
     }
@@ -126,5 +136,6 @@ def test_program_size_of_a_real_program_grows_with_its_kernels(measure):
     assert small["kernels"] >= 1 and small["fused_instructions"] >= 3
     assert big["kernels"] > small["kernels"]
     assert big["fused_instructions"] > small["fused_instructions"]
+    assert big["distinct_kernels"] == big["kernels"] == 2  # a sum and a max: not the same kernel
     assert big["flops"] > small["flops"] > 0
     assert small["bytes_accessed"] >= 2 * x.nbytes  # reads x, writes its result

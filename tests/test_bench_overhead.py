@@ -40,7 +40,14 @@ def test_repeated_compile_runs_report_medians_and_keep_every_run(bench):
 
 
 def test_compile_table_reports_both_programs_sizes_and_their_ratio(bench):
-    size = lambda k, f, b: dict(kernels=k, fused_instructions=f, flops=1.0, bytes_accessed=b)  # noqa: E731
+    size = lambda k, f, b: dict(  # noqa: E731
+        kernels=k,
+        fused_instructions=f,
+        distinct_kernels=k // 10,
+        distinct_fused_instructions=f // 5,
+        flops=1.0,
+        bytes_accessed=b,
+    )
     run = lambda t, **sz: {"lower_s": 1.0, "compile_s": t, "rss_gb": 0.5, **sz}  # noqa: E731
     plain = bench._median_run([run(2.0, **size(100, 1000, 1e9))] * 3)
     n2s = bench._median_run([run(3.0, **size(130, 1500, 1.1e9))] * 3)
@@ -53,11 +60,12 @@ def test_compile_table_reports_both_programs_sizes_and_their_ratio(bench):
         )
     )  # fmt: skip
     assert "kernels" in table[3] and "fused instrs" in table[3]
-    assert table[5].split()[4:7] == ["130", "1500", "1.100"]
+    assert table[5].split()[4:9] == ["130", "(13)", "1500", "(300)", "1.100"]
     assert "compile ratio nan2safe / plain: 1.50x (target <= 1.3)" in table
     assert table[-1].startswith(
         "program size nan2safe / plain (the same on every run): kernels 1.30x, "
-        "fused instructions 1.50x, bytes accessed 1.10x"
+        "fused instructions 1.50x, distinct kernels 1.30x, distinct fused instructions 1.50x, "
+        "bytes accessed 1.10x"
     )
 
 
