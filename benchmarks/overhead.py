@@ -298,22 +298,22 @@ def _timing_table(record: dict) -> list[str]:
     lines.append(head + (f" {'cpu ms':>9} {'cpu x':>7}" if cpu else ""))
     base = record["median_s"]["plain"]
     plain = record["times_s"]["plain"]
+    paired = {k: paired_ratio(v, plain) for k, v in record["times_s"].items()}
     for k, v in record["times_s"].items():
         med = record["median_s"][k]
         row = (
             f"{k:<{w}} {min(v) * 1e3:9.2f} {med * 1e3:10.2f} {max(v) * 1e3:9.2f} {med / base:8.3f}"
         )
-        r, lo, hi = paired_ratio(v, plain)
+        r, lo, hi = paired[k]
         row += f" {r:7.3f} [{lo:.3f}-{hi:.3f}]"
         if cpu:
             row += f" {cpu[k] * 1e3:9.2f} {cpu[k] / cpu['plain']:7.3f}"
         lines.append(row)
     if record["ratio"] is not None:
         lines.append(f"ratio nan2safe / plain (ratio of the medians): {record['ratio']:.3f}x")
-        paired = paired_ratio(record["times_s"]["nan2safe"], plain)
         lines.append(
             "ratio nan2safe / plain (median of the rounds' ratios): "
-            + ratio_text(*paired, target=TARGET)
+            + ratio_text(*paired["nan2safe"], target=TARGET)
         )
         if cpu:
             lines.append(f"ratio on the CPU clock (median): {cpu['nan2safe'] / cpu['plain']:.3f}x")

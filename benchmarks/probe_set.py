@@ -48,7 +48,6 @@ import dataclasses
 import json
 import multiprocessing
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -63,6 +62,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 import overhead  # noqa: E402
 import zoo  # noqa: E402
+from measure import program_size  # noqa: E402
 
 import nan2safe_jax as nan2safe  # noqa: E402
 from examples.transformer import make_batch  # noqa: E402
@@ -190,10 +190,6 @@ def _detected(faulty: dict, clean: dict) -> dict:
     )
 
 
-def _fusions(text: str) -> int:
-    return len(re.findall(r" fusion\(", text))
-
-
 def cost(sets: dict[str, tuple[str, ...]], rounds: int, steps: int) -> dict:
     """Per set (and ``plain``): the step's median CPU time over interleaved rounds, its ratio to
     plain's, and the fusions of its compiled FAST-only program."""
@@ -204,7 +200,9 @@ def cost(sets: dict[str, tuple[str, ...]], rounds: int, steps: int) -> dict:
     arms = {"plain": overhead.make_plain(cfg, tx)}
     for name, kinds in sets.items():
         arms[name] = overhead.make_n2s(cfg, tx, n2s_cfg=nan2safe.Config(probes=kinds))
-    fusions = {k: _fusions(run.lower(batches[0]).compile().as_text()) for k, run in arms.items()}
+    fusions = {
+        k: program_size(run.lower(batches[0]).compile())["kernels"] for k, run in arms.items()
+    }
     for run in arms.values():
         overhead.time_steps(run, batches, 3)
     times: dict[str, list[float]] = {k: [] for k in arms}
