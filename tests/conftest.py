@@ -24,6 +24,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+# LLVM at -O0 for every program the suite compiles (tests/tiny_models.py, LLVM_O0): XLA's HLO
+# passes, fusion and numerics-relevant rewrites still run, LLVM's own optimisations do not, and
+# the tiny programs here spend far longer compiling than running (the whole suite: 9:07 against
+# 11:49, one run each on 2 cores, 2026-12-03). Bits can move between two differently fused
+# programs at -O0, so a test that compares bits with flax compiles at XLA's default level
+# (``tiny_models.jit_llvm_default``). Subprocesses inherit it; an explicit level in XLA_FLAGS
+# is left alone.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    _flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{_flags} --xla_backend_optimization_level=0".strip()
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

@@ -19,6 +19,7 @@ import optax
 import pytest
 from flax import nnx
 from jax import lax
+from tiny_models import jit_llvm_default
 
 import nan2safe_jax as nan2safe
 from nan2safe_jax import nn
@@ -78,7 +79,8 @@ IDS = jnp.asarray(np.random.default_rng(0).integers(0, V, size=(2, T)), jnp.int3
 
 
 def _forward(model):
-    return nnx.jit(lambda m, ids: m(ids))(model, IDS)
+    graphdef, state = nnx.split(model)
+    return jit_llvm_default(lambda s, ids: nnx.merge(graphdef, s)(ids))(state, IDS)
 
 
 def _out_and_grads(model):
@@ -89,7 +91,8 @@ def _out_and_grads(model):
         return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=y.dtype)).reshape(y.shape)), y
 
     grad = nnx.value_and_grad(f, argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
-    (_, y), g = nnx.jit(grad)(model, IDS)
+    graphdef, state = nnx.split(model)
+    (_, y), g = jit_llvm_default(lambda s, ids: grad(nnx.merge(graphdef, s), ids))(state, IDS)
     return y, g
 
 

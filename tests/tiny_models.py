@@ -21,6 +21,11 @@ D = 16
 # against programs compiled alike, never for bit-equality with flax or optax.
 LLVM_O0 = "--xla_backend_optimization_level=0"  # for a subprocess's XLA_FLAGS
 jit_o0 = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+# The suite runs at -O0 (tests/conftest.py sets LLVM_O0 in XLA_FLAGS); a test that compares
+# bits with flax compiles at XLA's default level (3), as a user's program is compiled.
+jit_llvm_default = functools.partial(
+    jax.jit, compiler_options={"xla_backend_optimization_level": 3}
+)
 
 
 def set_fast_only(module: nnx.Module) -> nnx.Module:
