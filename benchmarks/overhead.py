@@ -46,6 +46,10 @@ flops and bytes accessed: the same on every run, where compile time moves by ±2
 past ``--rss-cap-gb`` is killed and reported as such.
 ``--repeats N`` runs each arm N times (arms interleaved) and reports the medians: the plain
 step's own compile time moves by ±25% between single runs on this machine.
+``--compile --ablation`` adds the ``guard`` and ``noprobe`` arms (their FAST-only programs) and
+splits what nan2safe adds to the plain step's compile: the step machinery (guard - plain), the
+sites without probes (noprobe - guard), the probes (nan2safe - noprobe); in seconds and kernels.
+The guard arm's plain model is a Python loop of layers with or without ``--scan-layers``.
 ``--scan-layers`` builds the nan2safe model with ``nnx.scan`` over stacked blocks (the plain
 arm stays a Python loop: flax's usual layout). The GPT-2-small shape:
 ``--compile --layers 12 --d-model 768 --heads 12 --seq 256 --dtype float16``.
@@ -387,6 +391,17 @@ def _compile_table(rec: dict) -> list[str]:
             f"compile ratio general / plain: {rec['ratio_general']:.2f}x (the general program: "
             "compiled in a background thread while the FAST-only one trains)"
         )
+    if rec.get("split"):
+        parts = []
+        for step, before, after in SPLIT:
+            d = rec["split"][step]
+            kern = (
+                f", {d['kernels']:+d} kernels ({d['distinct_kernels']:+d} distinct)"
+                if "kernels" in d and "distinct_kernels" in d
+                else ""
+            )
+            parts.append(f"{step} ({after} - {before}) {d['compile_s']:+.1f} s{kern}")
+        lines.append("compile added by: " + "; ".join(parts))
     return lines
 
 
@@ -459,7 +474,7 @@ def _compile_main(args, argv) -> dict:
     if "--json" in argv:
         i = argv.index("--json")
         del argv[i : i + 2]
-    names = ("plain", "nan2safe", "general")
+    names = ("plain", "nan2safe", "general") + (("guard", "noprobe") if args.ablation else ())
     runs: dict[str, list[dict]] = {a: [] for a in names}
     for _ in range(args.repeats):  # arms interleaved, so a slow spell hits all of them
         for a in names:
@@ -474,6 +489,7 @@ def _compile_main(args, argv) -> dict:
         "arms": arms,
         "ratio": ratio("nan2safe"),
         "ratio_general": ratio("general"),
+        "split": compile_split(arms),
         "dtype": args.dtype,
         "scan_layers": args.scan_layers,
         "backend": jax.default_backend(),
@@ -494,6 +510,39 @@ def _compile_main(args, argv) -> dict:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1))
     return rec
+
+
+# The compile ablation's steps, each arm against the one before it: what the step machinery
+# adds to the plain step (the guard arm: make_train_step on the plain model), what the sites add
+# without a probe, what the probes add (the nan2safe arm).
+SPLIT = (
+    ("machinery", "plain", "guard"),
+    ("sites", "guard", "noprobe"),
+    ("probes", "noprobe", "nan2safe"),
+)
+
+
+def compile_split(arms: dict) -> dict | None:
+    """``--compile --ablation``: each step of ``SPLIT`` as the seconds of compile it adds (the
+    arms' medians) and the kernels it adds (raw and distinct: the same on every run); None
+    without the ablation's arms (or with an arm that did not finish).
+
+    Args:
+      arms: arm name -> ``_median_run`` record.
+
+    Returns:
+      ``{step: {"compile_s": ..., "kernels": ..., "distinct_kernels": ...}}`` or None.
+    """
+    if any("compile_s" not in arms.get(a, {}) for _, b, c in SPLIT for a in (b, c)):
+        return None
+    out = {}
+    for step, before, after in SPLIT:
+        a, b = arms[before], arms[after]
+        out[step] = {"compile_s": b["compile_s"] - a["compile_s"]}
+        for k in ("kernels", "distinct_kernels"):
+            if k in a and k in b:
+                out[step][k] = b[k] - a[k]
+    return out
 
 
 SIZE_KEYS = (

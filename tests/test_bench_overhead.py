@@ -117,3 +117,38 @@ def test_the_timed_model_has_no_knobs_and_computes_what_the_knobbed_one_does(ben
         lambda a, b: bool((a == b).all()), forward(bare, batch), forward(knobbed, batch)
     )
     assert jax.tree.leaves(same) == [True]
+
+
+def test_compile_ablation_splits_the_added_compile_into_machinery_sites_and_probes(bench):
+    def run(t, k):
+        size = dict(kernels=k, fused_instructions=10 * k, flops=1.0, bytes_accessed=1e9)
+        size |= dict(distinct_kernels=k // 4, distinct_fused_instructions=k)
+        return {"lower_s": 1.0, "compile_s": t, "rss_gb": 0.5, **size}
+
+    arms = {
+        "plain": run(2.0, 100),
+        "nan2safe": run(4.5, 180),
+        "guard": run(3.0, 140),
+        "noprobe": run(3.5, 148),
+    }
+    split = bench.compile_split(arms)
+    assert split == {
+        "machinery": {"compile_s": 1.0, "kernels": 40, "distinct_kernels": 10},
+        "sites": {"compile_s": 0.5, "kernels": 8, "distinct_kernels": 2},
+        "probes": {"compile_s": 1.0, "kernels": 32, "distinct_kernels": 8},
+    }
+    # the three steps add up to nan2safe - plain
+    assert sum(d["compile_s"] for d in split.values()) == pytest.approx(4.5 - 2.0)
+    assert bench.compile_split({k: v for k, v in arms.items() if k != "guard"}) is None
+    assert bench.compile_split({**arms, "noprobe": {"error": "killed", "rss_gb": 9.0}}) is None
+    table = bench._compile_table(
+        dict(
+            command="c", backend="cpu", dtype="float32", scan_layers=False, repeats=1,
+            layers=4, d_model=256, seq=128, batch=8, arms=arms, ratio=2.25, split=split,
+        )
+    )  # fmt: skip
+    assert table[-1] == (
+        "compile added by: machinery (guard - plain) +1.0 s, +40 kernels (+10 distinct); "
+        "sites (noprobe - guard) +0.5 s, +8 kernels (+2 distinct); "
+        "probes (nan2safe - noprobe) +1.0 s, +32 kernels (+8 distinct)"
+    )
