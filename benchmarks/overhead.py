@@ -400,6 +400,8 @@ def _compile_table(rec: dict) -> list[str]:
                 if "kernels" in d and "distinct_kernels" in d
                 else ""
             )
+            if step == "sites" and rec.get("scan_layers"):
+                step = "sites and the layer scan"  # the guard arm's plain model is unrolled
             parts.append(f"{step} ({after} - {before}) {d['compile_s']:+.1f} s{kern}")
         lines.append("compile added by: " + "; ".join(parts))
     return lines

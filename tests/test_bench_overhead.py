@@ -152,3 +152,10 @@ def test_compile_ablation_splits_the_added_compile_into_machinery_sites_and_prob
         "sites (noprobe - guard) +0.5 s, +8 kernels (+2 distinct); "
         "probes (nan2safe - noprobe) +1.0 s, +32 kernels (+8 distinct)"
     )
+    scanned = dict(
+        command="c", backend="cpu", dtype="float32", scan_layers=True, repeats=1,
+        layers=4, d_model=256, seq=128, batch=8, arms=arms, ratio=2.25, split=split,
+    )  # fmt: skip
+    assert (
+        "; sites and the layer scan (noprobe - guard) +0.5 s" in bench._compile_table(scanned)[-1]
+    )
