@@ -535,7 +535,8 @@ def compile_split(arms: dict) -> dict | None:
     Returns:
       ``{step: {"compile_s": ..., "kernels": ..., "distinct_kernels": ...}}`` or None.
     """
-    if any("compile_s" not in arms.get(a, {}) for _, b, c in SPLIT for a in (b, c)):
+    needed = {arm for _, before, after in SPLIT for arm in (before, after)}
+    if any("compile_s" not in arms.get(a, {}) for a in needed):
         return None
     out = {}
     for step, before, after in SPLIT:

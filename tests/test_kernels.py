@@ -14,14 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_models import jit_o0
 
 from nan2safe_jax import kernels
 from nan2safe_jax.kernels import _common
 from nan2safe_jax.kernels.norms import reference as norms_ref
 from nan2safe_jax.kernels.softmax import reference as softmax_ref
 
-jit = jit_o0  # every check here is against exact results at a tolerance (tiny_models.LLVM_O0)
 IMPLS = ["pallas", "reference"]
 DTYPES = [jnp.float16, jnp.bfloat16, jnp.float32]
 # dtype x implementation: the kernel in every dtype; the reference's half dtypes are slow-marked
@@ -154,7 +152,7 @@ def test_sum_mean_axes(impl):
     rng = np.random.default_rng(3)
     x = rng.normal(size=(3, 5, 7)).astype(np.float32)
     # one jit for all axes: one compile instead of ten
-    sums, means = jit(
+    sums, means = jax.jit(
         lambda x: (
             [kernels.safe_sum(x, a, implementation=impl) for a in AXES],
             [kernels.safe_mean(x, a, implementation=impl) for a in AXES],
@@ -188,7 +186,7 @@ def test_sum_grad_jit_vmap(impl):
     np.testing.assert_allclose(np.asarray(g), np.full(x.shape, 1 / 8))
     g16 = jax.grad(lambda x: kernels.safe_sum(x, implementation=impl))(x.astype(jnp.float16))
     assert g16.dtype == jnp.float16 and float(g16.min()) == 1.0
-    f = jit(jax.vmap(lambda r: kernels.safe_sum(r, implementation=impl, with_count=True)))
+    f = jax.jit(jax.vmap(lambda r: kernels.safe_sum(r, implementation=impl, with_count=True)))
     s, c = f(x)
     np.testing.assert_allclose(np.asarray(s), np.asarray(x).sum(axis=(1, 2)))
     assert c.shape == (2,)
@@ -231,10 +229,10 @@ def test_softmax_vs_f64(dtype, impl):
             for a, w in configs
         ]
 
-    outs = jit(run, static_argnums=1)(x, impl)
+    outs = jax.jit(run, static_argnums=1)(x, impl)
     # kernel vs reference at f32 precision (the half dtypes are checked against f64 only)
     compare = impl == "pallas" and dtype == jnp.float32
-    refs = jit(run, static_argnums=1)(x, "reference") if compare else outs
+    refs = jax.jit(run, static_argnums=1)(x, "reference") if compare else outs
     for (axis, where), got, ref in zip(configs, outs, refs, strict=True):
         assert got.dtype == dtype
         exp = np.moveaxis(
@@ -427,10 +425,10 @@ def _check_norm_grads(impl, eps):
         rms = _plain_rms(xz, s, eps)[rr]
         return jnp.sum(ln * w[ok]) + jnp.sum(rms * w[rr])
 
-    grads = jit(jax.grad(safe_loss, argnums=(0, 1, 2, 3)))(x, xz, scale, bias)
+    grads = jax.jit(jax.grad(safe_loss, argnums=(0, 1, 2, 3)))(x, xz, scale, bias)
     assert all(np.isfinite(np.asarray(g)).all() for g in grads)
     gx, gxz, _, gb = (np.asarray(g) for g in grads)
-    ex, exz, _, _ = jit(jax.grad(plain_loss, argnums=(0, 1, 2, 3)))(x, xz, scale, bias)
+    ex, exz, _, _ = jax.jit(jax.grad(plain_loss, argnums=(0, 1, 2, 3)))(x, xz, scale, bias)
     np.testing.assert_allclose(gx[ok], np.asarray(ex)[ok], atol=1e-4)
     np.testing.assert_allclose(gxz[rr], np.asarray(exz)[rr], atol=1e-4)
     np.testing.assert_allclose(gb, np.asarray(w).sum(0), atol=1e-5)
@@ -467,8 +465,8 @@ def test_jit_vmap_all_ops():
             kernels.safe_mean(x, -1, implementation=impl),
         )
 
-    expected = jit(run, static_argnums=1)(x, "reference")
-    batched = jit(jax.vmap(lambda x: run(x, "pallas")))(x)  # batches the pallas_calls
+    expected = jax.jit(run, static_argnums=1)(x, "reference")
+    batched = jax.jit(jax.vmap(lambda x: run(x, "pallas")))(x)  # batches the pallas_calls
     for got, exp in zip(batched, expected, strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(exp), atol=1e-6)
 
@@ -490,7 +488,7 @@ def test_auto_falls_back_with_one_warning(monkeypatch):
     x = jnp.asarray(np.random.default_rng(13).normal(size=(4, 64)), jnp.float32)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        y1 = jit(kernels.safe_softmax)(x)
+        y1 = jax.jit(kernels.safe_softmax)(x)
         y2 = kernels.safe_softmax(x * 2)
     msgs = [w for w in rec if "did not lower" in str(w.message)]
     assert len(msgs) == 1
@@ -538,7 +536,7 @@ def test_triton_lowering(op, monkeypatch):
     }[op]
     try:
         exported = export.export(
-            jit(fn),
+            jax.jit(fn),
             platforms=["cuda"],
             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
         )(*args)

@@ -9,13 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tiny_models import jit_o0, set_fast_only
+from tiny_models import set_fast_only
 
 from examples.transformer import Transformer, TransformerConfig, lm_loss, make_batch, set_knob
 from nan2safe_jax import detector, nn, site
 from nan2safe_jax.site import Probe, SiteGear
 
-jit = jit_o0  # compares at tolerances (tiny_models.LLVM_O0)
 F32, F16 = jnp.float32, jnp.float16
 
 
@@ -70,7 +69,7 @@ def tiny():
     model = Transformer(TINY, rngs=nnx.Rngs(0))
     site.name_sites(model)
     batch = make_batch(jax.random.key(1), TINY, 2)
-    step = jit(jax.value_and_grad(_functional(model), has_aux=True))
+    step = jax.jit(jax.value_and_grad(_functional(model), has_aux=True))
     return model, batch, step
 
 
@@ -227,7 +226,7 @@ def test_router_fault_injection():
     x = jnp.full((3, 8), 100.0, F16)
     graphdef, params, rest = nnx.split(router, nnx.Param, ...)
 
-    @jit
+    @jax.jit
     def run(params, rest, x):
         def f(params):
             r = nnx.merge(graphdef, params, rest, copy=True)
@@ -306,8 +305,8 @@ def test_scanned_remat_matches_unscanned():
     batch = make_batch(jax.random.key(2), cfg, 2)
     for m in (unscanned, scanned):  # FAST known at trace time: the layers, not the gear paths
         set_fast_only(m)
-    la, pa = jit(_functional(unscanned))(*_split(unscanned), batch)
-    lb, pb = jit(_functional(scanned))(*_split(scanned), batch)
+    la, pa = jax.jit(_functional(unscanned))(*_split(unscanned), batch)
+    lb, pb = jax.jit(_functional(scanned))(*_split(scanned), batch)
     np.testing.assert_allclose(la, lb, rtol=1e-5)
     np.testing.assert_allclose(  # the layer's probe, unstacked vs stacked [1, NUM_STATS]
         pa["blocks"][0]["attn"]["probe_logits"][...],

@@ -13,14 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tiny_models import jit_o0
 
 from nan2safe_jax import ops, probe
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 DTYPES = [F32, BF16, F16]
 GEARS = [0, 1, 2]
-jit = jit_o0  # compares at tolerances (tiny_models.LLVM_O0)
 # forward tolerance vs a float64 reference, by dtype (FAST computes in the dtype itself)
 TOL = {F32: 2e-5, BF16: 3e-2, F16: 4e-3}
 
@@ -48,7 +46,7 @@ def _close(actual, desired, dt, scale=1.0):
 def _jit(name, **static):
     """One jitted function per (op, static args); the gear is a traced int32 argument."""
     fn = getattr(ops, name)
-    return jit(lambda *args, gear, **kw: fn(*args, gear=gear, **static, **kw))
+    return jax.jit(lambda *args, gear, **kw: fn(*args, gear=gear, **static, **kw))
 
 
 def _run(name, *args, gear, **static):
@@ -210,8 +208,8 @@ def test_cross_entropy_fast_is_optax_bit_for_bit(dt, masked):
             return jnp.mean(nll)
         return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.sum(mask, dtype=F32)
 
-    ours = jit(jax.value_and_grad(lambda x: ops.cross_entropy(x, labels, gear=0, mask=mask)))
-    (y, g), (y_ref, g_ref) = ours(logits), jit(jax.value_and_grad(stock))(logits)
+    ours = jax.jit(jax.value_and_grad(lambda x: ops.cross_entropy(x, labels, gear=0, mask=mask)))
+    (y, g), (y_ref, g_ref) = ours(logits), jax.jit(jax.value_and_grad(stock))(logits)
     assert y.dtype == F32
     np.testing.assert_array_equal(_np(y), _np(y_ref))
     np.testing.assert_array_equal(_np(g), _np(g_ref))
@@ -224,7 +222,7 @@ def test_cross_entropy_of_huge_logits_is_exact_in_every_gear(dt, gear):
     big = 1e4 if dt == F16 else 1e5  # ±1e5 is not representable in fp16 (max 65504)
     logits = jnp.asarray([[big, -big, 0.0, 1.0], [-big, big, 2.0, 0.0]], dt)
     labels = jnp.asarray([1, 0], jnp.int32)
-    loss, g = jit(jax.value_and_grad(lambda x: ops.cross_entropy(x, labels, gear=gear)))(logits)
+    loss, g = jax.jit(jax.value_and_grad(lambda x: ops.cross_entropy(x, labels, gear=gear)))(logits)
     want = 2e4 if dt == F16 else (2e5 if dt == F32 else 2 * float(jnp.asarray(1e5, BF16)))
     np.testing.assert_allclose(float(loss), want, rtol=1e-6)  # the exact loss, not a clamp
     assert bool(jnp.all(jnp.isfinite(g.astype(F32))))
@@ -285,7 +283,7 @@ GRAD_CASES = {
 @pytest.mark.parametrize("name", sorted(GRAD_CASES))
 def test_gradients_agree_across_gears(name):
     x = jnp.asarray(_rng(9).normal(size=(3, 8)), F32)
-    grad = jit(jax.grad(GRAD_CASES[name]))
+    grad = jax.jit(jax.grad(GRAD_CASES[name]))
     want = grad(x, jnp.int32(0))
     assert _finite(want)
     for g in (1, 2):
@@ -436,13 +434,13 @@ def _with_grad(f, gear):
         w = jnp.cos(jnp.arange(y.size, dtype=F32)).reshape(y.shape)  # a generic cotangent
         return jnp.sum(y * w)
 
-    return jit(lambda a: (f(a, gear), jax.grad(loss)(a)))
+    return jax.jit(lambda a: (f(a, gear), jax.grad(loss)(a)))
 
 
 @pytest.mark.parametrize("build, dt, stable_fixes, check", ADV_PARAMS)
 def test_adversarial(build, dt, stable_fixes, check):
     args, f = build(dt)
-    fast = jit(lambda a: f(a, 0))(args)
+    fast = jax.jit(lambda a: f(a, 0))(args)
     assert not _finite(fast), "the fault must be real: FAST gives inf/NaN"
     if stable_fixes:  # overflow: f32 accumulation already fixes it
         assert _finite(_with_grad(f, 1)(args))
@@ -461,7 +459,7 @@ def test_attention_masked_row_is_flax(dt, explicit):
     row averages the values uniformly), zeros in SAFE (defined: nothing to attend to)."""
     (q, k, v), _ = _attention_masked_row(dt)
     mask = jnp.ones((1, 1, 3, 3), bool).at[:, :, 1, :].set(False)
-    f = jit(lambda g: ops.attention(q, k, v, mask=mask, gear=g, explicit=explicit))
+    f = jax.jit(lambda g: ops.attention(q, k, v, mask=mask, gear=g, explicit=explicit))
     fast, safe = f(jnp.int32(0)), f(jnp.int32(2))
     assert _finite(fast) and _finite(safe)
     np.testing.assert_allclose(_np(fast[0, 1]), _np(v[0]).mean(0), rtol=TOL[dt] * 4, atol=TOL[dt])
@@ -472,12 +470,12 @@ def test_stable_saturates_fp16_output():
     """Every gear returns the site's dtype (one type for lax.switch): STABLE computes in f32
     and saturates the fp16 output at 65504 instead of overflowing to inf."""
     x, w = jnp.full((2, 4), 200.0, F16), jnp.full((4, 3), 100.0, F16)
-    f = jit(lambda g: ops.linear(x, w, None, gear=g))
+    f = jax.jit(lambda g: ops.linear(x, w, None, gear=g))
     fast, stable = f(jnp.int32(0)), f(jnp.int32(1))
     assert fast.dtype == stable.dtype == F16
     assert not _finite(fast) and float(stable[0, 0]) == 65504.0
     xb = jnp.full((2, 4), 200.0, BF16)
-    assert jit(lambda g: ops.linear(xb, w, None, gear=g))(jnp.int32(1)).dtype == BF16
+    assert jax.jit(lambda g: ops.linear(xb, w, None, gear=g))(jnp.int32(1)).dtype == BF16
 
 
 def test_safe_attention_beyond_f32_range():
@@ -485,7 +483,7 @@ def test_safe_attention_beyond_f32_range():
     q = jnp.asarray([[[[1e20, 0.0]], [[-1e20, 0.0]]]], F32)  # [1, 2, 1, 2]
     k = q
     v = jnp.asarray([[[[1.0, 2.0]], [[3.0, 4.0]]]], F32)
-    f = jit(lambda q, k, v, g: ops.attention(q, k, v, gear=g, scale=1.0))
+    f = jax.jit(lambda q, k, v, g: ops.attention(q, k, v, gear=g, scale=1.0))
     y = f(q, k, v, jnp.int32(2))
     # logits: row 0 = [1e40, -1e40], row 1 = [-1e40, 1e40] -> one-hot on the diagonal
     np.testing.assert_allclose(y[0, :, 0], [[1.0, 2.0], [3.0, 4.0]])
@@ -498,7 +496,7 @@ def test_safe_attention_beyond_f32_range():
 
 def test_switching_gear_never_recompiles(count_compiles):
     x = jnp.asarray(_rng(17).normal(size=(2, 5, 2, 4)), F32)
-    f = jit(lambda x, g: ops.attention(x, x, x, causal=True, gear=g))
+    f = jax.jit(lambda x, g: ops.attention(x, x, x, causal=True, gear=g))
     gears = [jnp.int32(g) for g in (0, 1, 2, 1, 0)]
     f(x, gears[0]).block_until_ready()
     with count_compiles() as c:
@@ -523,9 +521,9 @@ def test_python_and_traced_gears_agree(name):
         "layer_norm": lambda g: ops.layer_norm(x, None, None, 1e-6, gear=g),
         "attention": lambda g: ops.attention(x, x, x, gear=g),
     }[name]
-    traced = jit(call)
+    traced = jax.jit(call)
     for g in GEARS:
-        direct = jit(functools.partial(call, g))()
+        direct = jax.jit(functools.partial(call, g))()
         np.testing.assert_allclose(direct, traced(jnp.int32(g)), rtol=1e-6, atol=1e-6)
 
 
@@ -560,13 +558,13 @@ def test_vmap_behaviour():
     assert "cond" not in names and "select_n" in names  # all three computed, then selected
     # the values are still per-element gears' results
     g = jnp.asarray([0, 1, 2, 0], jnp.int32)
-    np.testing.assert_allclose(jit(jax.vmap(f))(x, g), jax.nn.softmax(x), rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.vmap(f))(x, g), jax.nn.softmax(x), rtol=1e-6)
 
 
 def test_return_stats():
     x = jnp.asarray(_rng(19).normal(size=(2, 4, 2, 4)), F16)
 
-    @jit
+    @jax.jit
     def run(x, g):
         _, st_attn = ops.attention(x, x, x, causal=True, gear=g, return_stats=True)
         _, st_ln = ops.layer_norm(x, None, None, 1e-6, gear=g, return_stats=True)
@@ -603,7 +601,7 @@ def test_norm_input_rms_probe_matches_the_numpy_reference(dt, norm, masked):
     mask = r.random((3, 16)) > 0.3 if masked else None
     args = (None, None) if norm == "layer_norm" else (None,)
 
-    @jit
+    @jax.jit
     def run(x, g):
         return getattr(ops, norm)(x, *args, 1e-5, gear=g, mask=mask, return_stats=True)[1]
 
@@ -644,7 +642,7 @@ def test_norm_output_probe_is_the_sampled_stats_of_the_output(dt, norm, shape, m
     scale = jnp.asarray(r.normal(size=d), dt)
     args = (scale, jnp.asarray(r.normal(size=d), dt)) if norm == "layer_norm" else (scale,)
 
-    @jit
+    @jax.jit
     def run(x, g):
         return getattr(ops, norm)(x, *args, 1e-5, gear=g, mask=mask, return_stats=True)
 

@@ -16,13 +16,11 @@ from nan2safe_jax.site import Probe, SiteGear, site_gears, site_scope
 D = 16
 
 # LLVM at -O0: XLA's HLO passes still run, LLVM's are skipped; compiles take a fifth to a half
-# less time. The last bits of a result can move with it (a converted model's FAST forward stops
-# matching flax's bit for bit), so tests use it only where they compare at a tolerance or
-# against programs compiled alike, never for bit-equality with flax or optax.
-LLVM_O0 = "--xla_backend_optimization_level=0"  # for a subprocess's XLA_FLAGS
-jit_o0 = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
-# The suite runs at -O0 (tests/conftest.py sets LLVM_O0 in XLA_FLAGS); a test that compares
-# bits with flax compiles at XLA's default level (3), as a user's program is compiled.
+# less time. The whole suite runs so (tests/conftest.py puts LLVM_O0 in XLA_FLAGS; a test's
+# subprocess with XLA_FLAGS of its own adds it there). The last bits of a result can move with
+# it (a converted model's FAST forward stops matching flax's bit for bit), so a test that
+# compares bits with flax compiles at XLA's default level (3), as a user's program is compiled.
+LLVM_O0 = "--xla_backend_optimization_level=0"
 jit_llvm_default = functools.partial(
     jax.jit, compiler_options={"xla_backend_optimization_level": 3}
 )
