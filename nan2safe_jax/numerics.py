@@ -47,7 +47,7 @@ def all_finite(tree) -> jax.Array:
 SMALL_LEAF = 4096
 
 
-def sum_of_squares(tree, minus=None) -> jax.Array:
+def sum_of_squares(tree, minus=None, large_sum=None) -> jax.Array:
     """f32[] sum of the squares of every leaf, in f32 (non-finite when any leaf is).
 
     Leaves under ``SMALL_LEAF`` elements (biases, norm scales) are concatenated and reduced
@@ -62,6 +62,9 @@ def sum_of_squares(tree, minus=None) -> jax.Array:
         (both in f32), e.g. the change a step made to the parameters. The small leaves of each
         are concatenated before the subtraction, which then fuses into the one reduction (a
         subtraction per leaf ahead of the concatenation was a kernel each).
+      large_sum: optional, ``(xs, ys) -> f32[]`` the sum of the large leaves' squares
+        (``ys``: their ``minus`` leaves, or None), e.g. ``sharding.Rules.sum_of_squares``,
+        which sums a replicated leaf a slice per device.
 
     Returns:
       f32[].
@@ -72,11 +75,14 @@ def sum_of_squares(tree, minus=None) -> jax.Array:
     if len(others) != len(leaves):
         raise ValueError(f"sum_of_squares: minus has {len(others)} leaves, tree {len(leaves)}")
     diff = lambda x, y: x if y is None else x - y
-    parts = [
-        jnp.sum(jnp.square(diff(x, y)))
-        for x, y in zip(leaves, others, strict=True)
-        if x.size >= SMALL_LEAF
-    ]
+    large = [(x, y) for x, y in zip(leaves, others, strict=True) if x.size >= SMALL_LEAF]
+    if large_sum is None:
+        parts = [jnp.sum(jnp.square(diff(x, y))) for x, y in large]
+    elif large:
+        xs, ys = zip(*large, strict=True)
+        parts = [large_sum(list(xs), None if minus is None else list(ys))]
+    else:
+        parts = []
     small = [i for i, x in enumerate(leaves) if x.size < SMALL_LEAF]
     if small:
         cat = lambda vs: jnp.concatenate([vs[i].ravel() for i in small])

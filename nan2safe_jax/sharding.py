@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -426,6 +427,70 @@ class Rules:
         spec = [None] * len(shape)
         spec[dim] = self.fsdp_axis
         return NamedSharding(self.mesh, PartitionSpec(*spec))
+
+    def sum_of_squares(self, xs: Sequence[jax.Array], ys: Sequence[jax.Array] | None = None):
+        """f32[] the sum of the squares of every array of ``xs`` (of ``x - y`` with ``ys``), in
+        f32, each device summing a distinct slice.
+
+        The train step's gradient and update sums read every parameter-sized array of the
+        step. An array the rules replicate over some mesh axes (every axis under data
+        parallelism, the data axis under FSDP) was summed whole on each device of those axes:
+        the same sweep on every device (+42% bytes per device over a plain data-parallel step
+        of the demo model). Here, inside a ``shard_map`` that takes each array as the rules
+        place it (so nothing upstream changes layout), each device sums a ``1/k`` slice of its
+        own shard, ``k`` the devices that hold the same shard, and one all-reduce adds the
+        partial sums (XLA merges it with the step's others). An array whose shard does not
+        divide by ``k`` is summed as before.
+
+        Args:
+          xs: arrays (any float dtype; summed in f32), laid out as ``param_sharding`` says.
+          ys: optional arrays like ``xs``: the sum is of ``(x - y)**2``.
+
+        Returns:
+          f32[].
+        """
+        ys = [None] * len(xs) if ys is None else list(ys)
+        f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+        sq = lambda x, y: jnp.sum(jnp.square(f32(x) if y is None else f32(x) - f32(y)))  # noqa: E731
+        total = jnp.zeros([], jnp.float32)
+        split, specs, copies = [], [], []
+        for x, y in zip(xs, ys, strict=True):
+            spec = self.param_sharding(x).spec
+            used = {a for part in spec if part for a in _axes(part)}
+            rest = tuple(a for a in self.mesh.axis_names if a not in used)
+            k = math.prod(self.mesh.shape[a] for a in rest)
+            shard = math.prod(np.shape(x)) // math.prod(self.mesh.shape[a] for a in used)
+            if k > 1 and shard % k == 0:
+                split.append((x, y))
+                specs.append(spec)
+                copies.append((rest, k))
+            else:
+                total = total + sq(x, y)
+        if not split:
+            return total
+        axes = tuple(self.mesh.axis_names)
+
+        def slice_of(a, rest, k):
+            """This device's ``1/k`` of its shard ``a`` (``k`` devices along ``rest`` hold it)."""
+            flat = jnp.reshape(a, (k, -1))
+            return jax.lax.dynamic_index_in_dim(flat, jax.lax.axis_index(rest), 0, keepdims=False)
+
+        def local(split):
+            s = jnp.zeros([], jnp.float32)
+            for (x, y), (rest, k) in zip(split, copies, strict=True):
+                s = s + sq(slice_of(x, rest, k), None if y is None else slice_of(y, rest, k))
+            return jax.lax.psum(s, axes)
+
+        in_specs = (
+            [
+                (spec, None if y is None else spec)
+                for (_, y), spec in zip(split, specs, strict=True)
+            ],
+        )
+        summed = jax.shard_map(
+            local, mesh=self.mesh, in_specs=in_specs, out_specs=PartitionSpec(), check_vma=False
+        )(split)
+        return total + summed
 
 
 def data_parallel(mesh: Mesh, data_axis: str | tuple[str, ...] = "data") -> Rules:

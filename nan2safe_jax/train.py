@@ -259,6 +259,7 @@ def train_step(
     fast_only: bool = False,
     fast_sites: frozenset[str] | None = None,
     partitioned: bool = False,
+    large_sum: Callable | None = None,
 ) -> tuple[TrainState, dict]:
     """One step (un-jitted); ``make_train_step`` jits it. See the module docstring.
 
@@ -275,7 +276,9 @@ def train_step(
 
     ``partitioned``: the step is for a program sharded over devices (``make_train_step``
     passes it with a mesh or rules): probes reduce in the form XLA's SPMD partitioner
-    all-reduces (``probe.partitioned``); the same statistics.
+    all-reduces (``probe.partitioned``); the same statistics. ``large_sum`` (with it,
+    ``sharding.Rules.sum_of_squares``): the gradient and update sums of squares split each
+    replicated parameter-sized array over the devices (``numerics.sum_of_squares``).
 
     A step that is not applied (``metrics["skipped"]``) returns every variable of the state as
     it was — parameters, the optimizer's own state (Adam's moments), the model's other
@@ -288,7 +291,9 @@ def train_step(
     """
     if partitioned:
         with probe_lib.partitioned():
-            return train_step(state, batch, loss_fn, lr_schedule, has_aux, fast_only, fast_sites)
+            return train_step(
+                state, batch, loss_fn, lr_schedule, has_aux, fast_only, fast_sites, False, large_sum
+            )
     cfg = state.cfg
     gs = state.gear
     rest = _with_gears(state, fast_only, fast_sites)
@@ -316,7 +321,7 @@ def train_step(
     # One sweep over the scaled gradients gives both their finiteness (a NaN or inf anywhere
     # makes the sum non-finite) and the gradient norm. A sum that overflows f32 with finite
     # gradients means scaled gradients past ~1e19: an overflow for the loss scale all the same.
-    sgrad_sq = numerics.sum_of_squares(sgrads)
+    sgrad_sq = numerics.sum_of_squares(sgrads, large_sum=large_sum)
     grads_finite = jnp.isfinite(sgrad_sq)
     finite = jnp.isfinite(loss32) & grads_finite
     # A finite loss whose scaled gradients overflow is the dynamic loss scale's business: skip
@@ -377,7 +382,9 @@ def train_step(
     # overflow-safe rescale (``numerics.global_norm`` compiles a second pass per leaf for it):
     # an update whose norm passes ~1.8e19 reads as non-finite, a fault all the same.
     update_norm = jnp.where(
-        applied, jnp.sqrt(numerics.sum_of_squares(new_params, minus=state.params)), 0.0
+        applied,
+        jnp.sqrt(numerics.sum_of_squares(new_params, minus=state.params, large_sum=large_sum)),
+        0.0,
     )
     # Finite gradients whose update is not finite (an optimizer fault: a moment that
     # underflowed, a 0/0 in a custom transform) are skipped like a NaN gradient, with the
@@ -565,7 +572,7 @@ def make_train_step(
                 out_shardings=(state_sh, rules.replicated),
                 donate_argnums=donate_argnums,
             )
-            part = functools.partial(fn, partitioned=True)
+            part = functools.partial(fn, partitioned=True, large_sum=rules.sum_of_squares)
             f = sharded[key] = with_fast_program(
                 jax.jit(part, **kw),
                 jax.jit(functools.partial(part, fast_only=True), **kw),

@@ -103,6 +103,27 @@ def test_sum_of_squares_of_a_difference_matches_float64(dtype, bad):
         numerics.sum_of_squares(old, minus={"p0": old["p0"]})
 
 
+@pytest.mark.parametrize("with_minus", [False, True])
+def test_sum_of_squares_hands_the_large_leaves_to_large_sum(with_minus):
+    """``large_sum=`` (a sharded step's ``Rules.sum_of_squares``) gets exactly the large leaves,
+    in f32, with their ``minus`` leaves; the small ones stay in the one concatenated sum."""
+    rng = np.random.default_rng(2)
+    shapes = [(3,), (64, 64), (7, 5), (numerics.SMALL_LEAF,), (2, 3, 4)]
+    tree = {f"p{i}": jnp.asarray(rng.normal(size=s), jnp.bfloat16) for i, s in enumerate(shapes)}
+    old = jax.tree_util.tree_map(lambda x: x * 0.5, tree) if with_minus else None
+    seen = []
+
+    def large_sum(xs, ys):
+        seen.append(([x.shape for x in xs], ys is None, {x.dtype for x in xs}))
+        diff = xs if ys is None else [x - y for x, y in zip(xs, ys, strict=True)]
+        return sum(jnp.sum(jnp.square(d)) for d in diff)
+
+    got = float(numerics.sum_of_squares(tree, minus=old, large_sum=large_sum))
+    want = float(numerics.sum_of_squares(tree, minus=old))
+    assert got == pytest.approx(want, rel=1e-6)
+    assert seen == [([(64, 64), (numerics.SMALL_LEAF,)], not with_minus, {jnp.dtype("float32")})]
+
+
 @pytest.mark.parametrize("pred", [True, False])
 def test_computed_once_is_fn_whatever_the_predicate(pred):
     """Both branches are ``fn``: the predicate changes nothing but must survive compilation

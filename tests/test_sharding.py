@@ -113,6 +113,7 @@ def _scenario_eight(out: Path) -> dict:
         with probe.partitioned():  # as a sharded step traces it (a fresh jit: see its doc)
             on_eight = np.asarray(jax.jit(lambda v: probe.stats(v))(spread))
         res["sharded_stats"].append([on_one.tolist(), on_eight.tolist()])
+    res["split_sums"] = _split_sums(dp, sharding.fsdp(mesh, min_size=64))
     fs = states["fsdp"]
     res["fsdp_specs"] = {
         jax.tree_util.keystr(p): str(a.sharding.spec)
@@ -195,6 +196,79 @@ def _scenario_eight(out: Path) -> dict:
     return res
 
 
+class Wide(nnx.Module):
+    """One parameter past ``numerics.SMALL_LEAF`` (its sums go through ``Rules.sum_of_squares``)."""
+
+    def __init__(self, *, rngs):
+        self.up = nnx.Linear(D_WIDE, 4 * D_WIDE, rngs=rngs)
+        self.down = nnx.Linear(4 * D_WIDE, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+D_WIDE = 64
+
+
+def _split_sums(dp, fsdp) -> dict:
+    """``Rules.sum_of_squares`` against float64, and a data-parallel step whose gradient and
+    update sums take that path against the single-device step."""
+    from nan2safe_jax import numerics
+
+    rng = np.random.default_rng(1)
+    shapes = [(64, 128), (8, 4, 32), (7, 9), (16, 64)]  # one size not divisible by 8
+    xs = [rng.normal(size=s).astype(np.float32) for s in shapes]
+    ys = [x * 0.5 + 0.1 for x in xs]
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    out = {
+        "want": float(sum(np.sum(np.square(f64(x))) for x in xs)),
+        "want_minus": float(
+            sum(np.sum(np.square(f64(x) - f64(y))) for x, y in zip(xs, ys, strict=True))
+        ),
+    }
+    for name, rules in (("dp", dp), ("fsdp", fsdp)):
+        put = lambda arrs, rules=rules: [jax.device_put(a, rules.param_sharding(a)) for a in arrs]
+        f = jax.jit(rules.sum_of_squares)
+        bad = [x.copy() for x in xs]
+        bad[0][-1, -1] = np.nan  # in the last device's slice
+        out[name] = {
+            "sum": float(f(put(xs))),
+            "sum_minus": float(f(put(xs), put(ys))),
+            "nan": float(f(put(bad))),
+        }
+    # What each device reduces under data parallelism: its slice, never a whole array.
+    one = [jax.device_put(xs[0], dp.replicated)]
+    hlo = jax.jit(dp.sum_of_squares).lower(one).compile().as_text()
+    reduced = [
+        int(np.prod([int(d) for d in m.group(1).split(",") if d]))
+        for m in re.finditer(r"= f32\[([\d,]*)\][^\n]*? dynamic-slice\(", hlo)
+    ]
+    out["dp_slices"] = reduced
+    out["size"] = xs[0].size
+    # A step of a model with a large parameter: the same gradient and update norms.
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(32, D_WIDE)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(32, 1)), jnp.float32)
+    norms = {}
+    for name, rules in (("single", None), ("dp", dp)):
+        state = nan2safe.TrainState.create(Wide(rngs=nnx.Rngs(0)), optax.adam(1e-2))
+        assert max(a.size for a in jax.tree_util.tree_leaves(state.params)) >= numerics.SMALL_LEAF
+        step = nan2safe.make_train_step(loss_fn, rules=rules)
+        state, m = step(state, (x, y))
+        state, m2 = step(state, (x, y))
+        norms[name] = [float(m["grad_norm"]), float(m2["probes"]["update_norm"][probe.MAX_ABS])]
+        if rules is not None:
+            batch = sharding.shard_batch((x, y), rules)
+            hlo = step.programs[-1].lower(state, batch).compile().as_text()
+            out["step_slices"] = [
+                int(np.prod([int(d) for d in m.group(1).split(",") if d]))
+                for m in re.finditer(r"= f32\[([\d,]*)\][^\n]*? dynamic-slice\(", hlo)
+            ]
+    out["norms"] = norms
+    out["wide_size"] = D_WIDE * 4 * D_WIDE
+    return out
+
+
 def _scenario_four(out: Path) -> dict:
     """4 devices: the 8-device checkpoint restores onto a 1x4 mesh; the Trainer resumes."""
     assert jax.device_count() == 4, jax.device_count()
@@ -269,6 +343,22 @@ def test_a_data_parallel_step_gathers_nothing(runs):
     c = eight["dp_collectives"]
     assert c["all-gather"] == 0 and c["all-to-all"] == 0 and c["collective-permute"] == 0
     assert 1 <= c["all-reduce"] <= 8, c
+
+
+def test_replicated_parameters_are_summed_a_slice_per_device(runs):
+    """``Rules.sum_of_squares``: the float64 sums under data parallelism and FSDP, NaN in one
+    device's slice reaches every device, each data-parallel device reduces an eighth of the
+    array, and a data-parallel step of a model with a large parameter has the single-device
+    step's gradient and update norms."""
+    eight, _ = runs
+    sp = eight["split_sums"]
+    for name in ("dp", "fsdp"):
+        assert sp[name]["sum"] == pytest.approx(sp["want"], rel=1e-5)
+        assert sp[name]["sum_minus"] == pytest.approx(sp["want_minus"], rel=1e-5)
+        assert np.isnan(sp[name]["nan"])
+    assert sp["dp_slices"] and max(sp["dp_slices"]) == sp["size"] // 8, sp["dp_slices"]
+    np.testing.assert_allclose(sp["norms"]["dp"], sp["norms"]["single"], rtol=1e-5)
+    assert sp["wide_size"] // 8 in sp["step_slices"], sp["step_slices"]  # the step's sums, too
 
 
 def test_a_partial_program_runs_a_sharded_step_with_a_site_in_safe(runs):
