@@ -453,7 +453,7 @@ class Rules:
         f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
         sq = lambda x, y: jnp.sum(jnp.square(f32(x) if y is None else f32(x) - f32(y)))  # noqa: E731
         total = jnp.zeros([], jnp.float32)
-        split, specs, copies = [], [], []
+        split, layout = [], []  # the arrays to split, and each one's (spec, rest axes, k)
         for x, y in zip(xs, ys, strict=True):
             spec = self.param_sharding(x).spec
             used = {a for part in spec if part for a in _axes(part)}
@@ -462,8 +462,7 @@ class Rules:
             shard = math.prod(np.shape(x)) // math.prod(self.mesh.shape[a] for a in used)
             if k > 1 and shard % k == 0:
                 split.append((x, y))
-                specs.append(spec)
-                copies.append((rest, k))
+                layout.append((spec, rest, k))
             else:
                 total = total + sq(x, y)
         if not split:
@@ -477,14 +476,14 @@ class Rules:
 
         def local(split):
             s = jnp.zeros([], jnp.float32)
-            for (x, y), (rest, k) in zip(split, copies, strict=True):
+            for (x, y), (_, rest, k) in zip(split, layout, strict=True):
                 s = s + sq(slice_of(x, rest, k), None if y is None else slice_of(y, rest, k))
             return jax.lax.psum(s, axes)
 
         in_specs = (
             [
                 (spec, None if y is None else spec)
-                for (_, y), spec in zip(split, specs, strict=True)
+                for (_, y), (spec, _, _) in zip(split, layout, strict=True)
             ],
         )
         summed = jax.shard_map(

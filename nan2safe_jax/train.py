@@ -292,7 +292,14 @@ def train_step(
     if partitioned:
         with probe_lib.partitioned():
             return train_step(
-                state, batch, loss_fn, lr_schedule, has_aux, fast_only, fast_sites, False, large_sum
+                state,
+                batch,
+                loss_fn,
+                lr_schedule,
+                has_aux,
+                fast_only,
+                fast_sites,
+                large_sum=large_sum,
             )
     cfg = state.cfg
     gs = state.gear

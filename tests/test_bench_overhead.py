@@ -141,21 +141,17 @@ def test_compile_ablation_splits_the_added_compile_into_machinery_sites_and_prob
     assert sum(d["compile_s"] for d in split.values()) == pytest.approx(4.5 - 2.0)
     assert bench.compile_split({k: v for k, v in arms.items() if k != "guard"}) is None
     assert bench.compile_split({**arms, "noprobe": {"error": "killed", "rss_gb": 9.0}}) is None
-    table = bench._compile_table(
-        dict(
-            command="c", backend="cpu", dtype="float32", scan_layers=False, repeats=1,
-            layers=4, d_model=256, seq=128, batch=8, arms=arms, ratio=2.25, split=split,
-        )
+    rec = dict(
+        command="c", backend="cpu", dtype="float32", scan_layers=False, repeats=1,
+        layers=4, d_model=256, seq=128, batch=8, arms=arms, ratio=2.25, split=split,
     )  # fmt: skip
+    table = bench._compile_table(rec)
     assert table[-1] == (
         "compile added by: machinery (guard - plain) +1.0 s, +40 kernels (+10 distinct); "
         "sites (noprobe - guard) +0.5 s, +8 kernels (+2 distinct); "
         "probes (nan2safe - noprobe) +1.0 s, +32 kernels (+8 distinct)"
     )
-    scanned = dict(
-        command="c", backend="cpu", dtype="float32", scan_layers=True, repeats=1,
-        layers=4, d_model=256, seq=128, batch=8, arms=arms, ratio=2.25, split=split,
-    )  # fmt: skip
+    scanned = {**rec, "scan_layers": True}
     assert (
         "; sites and the layer scan (noprobe - guard) +0.5 s" in bench._compile_table(scanned)[-1]
     )

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tiny_models, when ru
 from tiny_models import LLVM_O0, Net, data, loss_fn, make_fragile  # noqa: E402
 
 import nan2safe_jax as nan2safe  # noqa: E402
-from nan2safe_jax import probe, sharding  # noqa: E402
+from nan2safe_jax import numerics, probe, sharding  # noqa: E402
 from nan2safe_jax.checkpoint import Checkpointer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,6 +196,9 @@ def _scenario_eight(out: Path) -> dict:
     return res
 
 
+D_WIDE = 64
+
+
 class Wide(nnx.Module):
     """One parameter past ``numerics.SMALL_LEAF`` (its sums go through ``Rules.sum_of_squares``)."""
 
@@ -207,14 +210,17 @@ class Wide(nnx.Module):
         return self.down(jax.nn.relu(self.up(x)))
 
 
-D_WIDE = 64
+def _slice_sizes(hlo: str) -> list[int]:
+    """The element counts of the ``dynamic-slice``s in a compiled program's text."""
+    return [
+        int(np.prod([int(d) for d in m.group(1).split(",") if d]))
+        for m in re.finditer(r"= f32\[([\d,]*)\][^\n]*? dynamic-slice\(", hlo)
+    ]
 
 
 def _split_sums(dp, fsdp) -> dict:
     """``Rules.sum_of_squares`` against float64, and a data-parallel step whose gradient and
     update sums take that path against the single-device step."""
-    from nan2safe_jax import numerics
-
     rng = np.random.default_rng(1)
     shapes = [(64, 128), (8, 4, 32), (7, 9), (16, 64)]  # one size not divisible by 8
     xs = [rng.normal(size=s).astype(np.float32) for s in shapes]
@@ -239,11 +245,7 @@ def _split_sums(dp, fsdp) -> dict:
     # What each device reduces under data parallelism: its slice, never a whole array.
     one = [jax.device_put(xs[0], dp.replicated)]
     hlo = jax.jit(dp.sum_of_squares).lower(one).compile().as_text()
-    reduced = [
-        int(np.prod([int(d) for d in m.group(1).split(",") if d]))
-        for m in re.finditer(r"= f32\[([\d,]*)\][^\n]*? dynamic-slice\(", hlo)
-    ]
-    out["dp_slices"] = reduced
+    out["dp_slices"] = _slice_sizes(hlo)
     out["size"] = xs[0].size
     # A step of a model with a large parameter: the same gradient and update norms.
     rng = np.random.default_rng(2)
@@ -260,10 +262,7 @@ def _split_sums(dp, fsdp) -> dict:
         if rules is not None:
             batch = sharding.shard_batch((x, y), rules)
             hlo = step.programs[-1].lower(state, batch).compile().as_text()
-            out["step_slices"] = [
-                int(np.prod([int(d) for d in m.group(1).split(",") if d]))
-                for m in re.finditer(r"= f32\[([\d,]*)\][^\n]*? dynamic-slice\(", hlo)
-            ]
+            out["step_slices"] = _slice_sizes(hlo)
     out["norms"] = norms
     out["wide_size"] = D_WIDE * 4 * D_WIDE
     return out
