@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -485,6 +486,32 @@ def _unalias(state: TrainState) -> TrainState:
     return jax.tree_util.tree_map(one, state)
 
 
+def committed(state: TrainState) -> TrainState:
+    """``state`` with every array committed to the device it is on (a no-op for those that are).
+
+    A jitted function's compiled program is keyed on whether each argument is committed to a
+    device, not only on shapes: a state restored from a checkpoint holds committed arrays, a
+    fresh one and anything the host sets (``gear.set_site`` after a located fault, a new
+    learning-rate scale) uncommitted ones, and each mix of the two compiled the whole step
+    again. The single-device step commits every state it did not return itself, so a
+    program compiles once per run and a restarted run asks the persistent compilation cache
+    for the same one (``nan2safe_jax.compile_cache``).
+
+    Args:
+      state: a ``TrainState`` (any pytree).
+
+    Returns:
+      The same tree, every ``jax.Array`` leaf committed (its buffer reused, not copied).
+    """
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.committed:
+            return jax.device_put(x, x.sharding)
+        return x
+
+    return jax.tree_util.tree_map(one, state)
+
+
 def make_train_step(
     loss_fn: Callable,
     *,
@@ -557,10 +584,17 @@ def make_train_step(
     )
     checked: dict[tuple, tuple] = {}
     sharded: dict[tuple, Callable] = {}
-    last_out: list = [None]  # the state this step returned last: already on the mesh
+    last_out = [lambda: None]  # the state this step returned last (a weak reference)
+
+    def returned_last(state) -> bool:
+        """``state`` is the one this step returned last: on the mesh, committed."""
+        return state is last_out[0]()
+
+    def remember(state) -> None:
+        last_out[0] = weakref.ref(state)
 
     def run_sharded(state, batch):
-        if state is not last_out[0]:
+        if not returned_last(state):
             if donate:
                 state = _unalias(state)
             state = sharding_lib.shard_state(state, rules)
@@ -586,7 +620,7 @@ def make_train_step(
                 partial_programs(part, **kw),
             )
         new_state, metrics = f(state, batch)
-        last_out[0] = new_state
+        remember(new_state)
         return new_state, metrics
 
     def probe_names(state, batch):
@@ -610,10 +644,10 @@ def make_train_step(
             state = state.with_probes(names)
         if rules is not None and jit:
             return run_sharded(state, batch)
-        if donate and jit and state is not last_out[0]:
-            state = _unalias(state)
+        if jit and not returned_last(state):
+            state = committed(_unalias(state) if donate else state)
         new_state, metrics = run(state, batch)
-        last_out[0] = new_state if donate else None
+        remember(new_state)
         return new_state, metrics
 
     def wait_compiled() -> None:

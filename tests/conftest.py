@@ -50,6 +50,9 @@ jax.config.update(
 )
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+# A program the persistent cache above serves is a compile all the same (the process asked
+# for one), but XLA does not run: counted from the cache's own event.
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _counter = {"n": 0}
 
 
@@ -59,11 +62,19 @@ def _on_duration(event: str, duration: float, **kwargs) -> None:
         _counter["n"] += 1
 
 
+def _on_event(event: str, **kwargs) -> None:
+    del kwargs
+    if event == _CACHE_HIT_EVENT:
+        _counter["n"] += 1
+
+
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
+jax.monitoring.register_event_listener(_on_event)
 
 
 class CompileCounter:
-    """Counts XLA backend compiles inside ``with counter:`` blocks."""
+    """Counts the programs compiled inside ``with counter:`` blocks: XLA backend compiles and
+    programs loaded from the persistent compilation cache instead."""
 
     def __init__(self):
         self.count = 0
@@ -79,7 +90,8 @@ class CompileCounter:
 
 @pytest.fixture
 def count_compiles():
-    """``with count_compiles() as c: ...`` then ``c.count`` is the number of backend compiles."""
+    """``with count_compiles() as c: ...`` then ``c.count`` is the number of programs compiled
+    (or loaded from the compilation cache)."""
     return CompileCounter()
 
 

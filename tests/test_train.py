@@ -79,6 +79,34 @@ def test_gear_changes_never_recompile(step, count_compiles):
     assert set(levels) == {0, 1, 2}
 
 
+def test_a_restored_or_host_edited_state_runs_the_program_compiled_for_a_fresh_one(count_compiles):
+    """A jitted program is keyed on whether each argument is committed to a device. A fresh
+    state's arrays are not, a restored checkpoint's are (orbax places them), and what the host
+    sets between steps (a site's gear after a located fault) is not: each mix compiled the
+    step again, and a resumed run never matched what the persistent cache held."""
+    step = make_train_step(loss_fn)  # its own jit cache: nothing compiled before this test
+    x, y = _data(2)
+    batch = (x[0], y[0])
+    on_device = lambda t: jax.tree_util.tree_map(  # noqa: E731 - as a checkpoint restores it
+        lambda a: jax.device_put(np.asarray(a), jax.devices()[0]), t
+    )
+    fresh = _state()
+    assert not any(a.committed for a in jax.tree_util.tree_leaves(fresh))
+    state, _ = step(fresh, batch)
+    G.set_site(state.gear, "blocks.1", Gear.SAFE)  # its eager helpers compiled here
+    on_device(fresh)
+    with count_compiles() as c:
+        restored = on_device(fresh)
+        assert all(a.committed for a in jax.tree_util.tree_leaves(restored))
+        state, _ = step(restored, batch)
+        edited = state.replace(gear=G.set_site(state.gear, "blocks.1", Gear.SAFE))
+        state, m = step(edited, (x[1], y[1]))
+        mixed = restored.replace(gear=G.set_site(restored.gear, "blocks.1", Gear.SAFE))
+        step(mixed, batch)
+    assert c.count == 0
+    assert int(m["site_gears"]["blocks.1"]) == Gear.SAFE
+
+
 def test_clean_stationary_run_never_downshifts(step):
     x, y = _data(50)
     state = _state()
