@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nan2safe_jax import compile_cache as compile_cache_lib
 from nan2safe_jax import incidents, programs
 from nan2safe_jax import sharding as sharding_lib
 from nan2safe_jax.checkpoint import Checkpointer
@@ -71,6 +72,21 @@ class _Step:
     after: TrainState
     metrics: dict
     replayed: bool  # a batch replayed after a rollback
+
+
+def _compile_cache(setting, workdir: Path) -> Path | None:
+    """``Trainer(compile_cache=...)``: the cache directory in use (None: JAX's cache is off)."""
+    if setting is False:
+        return compile_cache_lib.current()
+    if setting is True:  # the default: a cache the process set already is kept, unremarked
+        if compile_cache_lib.current() is not None:
+            return compile_cache_lib.current()
+        setting = workdir / "compile_cache"
+    if not isinstance(setting, (str, os.PathLike)):
+        raise ValueError(
+            f"compile_cache must be True, False or a directory, got {type(setting).__name__}"
+        )
+    return compile_cache_lib.enable(setting)
 
 
 def _check_workdir(workdir) -> Path:
@@ -143,9 +159,14 @@ class Trainer:
         shard, devices and processes hold the bad batch rows). Under ``jax.distributed`` every
         process runs this loop and passes its own rows of each batch.
       has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` lands in the metrics as ``"aux"``.
+      compile_cache: where JAX's persistent compilation cache keeps the compiled step, so a
+        restarted run loads it instead of compiling it again: True (the default) for
+        ``workdir/compile_cache``, a directory, or False to leave JAX's cache as it is. A cache
+        the process already uses (``JAX_COMPILATION_CACHE_DIR``) is kept
+        (``nan2safe_jax.compile_cache``). ``trainer.compile_cache`` is the directory in use.
 
     Raises:
-      ValueError: bad workdir or config.
+      ValueError: bad workdir, config or compile_cache.
     """
 
     def __init__(
@@ -163,11 +184,13 @@ class Trainer:
         mesh=None,
         rules: sharding_lib.Rules | None = None,
         has_aux: bool = False,
+        compile_cache: bool | str | os.PathLike = True,
     ):
         self.cfg = Config() if cfg is None else cfg
         if not isinstance(self.cfg, Config):
             raise ValueError(f"cfg must be a nan2safe.Config, got {type(self.cfg).__name__}")
         self.workdir = _check_workdir(workdir)
+        self.compile_cache = _compile_cache(compile_cache, self.workdir)
         self.loss_fn = loss_fn
         self.progress = progress
         self.rules = sharding_lib.resolve(mesh, rules)
