@@ -50,6 +50,10 @@ step's own compile time moves by ±25% between single runs on this machine.
 splits what nan2safe adds to the plain step's compile: the step machinery (guard - plain), the
 sites without probes (noprobe - guard), the probes (nan2safe - noprobe); in seconds and kernels.
 The guard arm's plain model is a Python loop of layers with or without ``--scan-layers``.
+``--compile --restart`` runs each arm (plain, nan2safe, general) twice per repeat against one
+fresh persistent compilation cache: the first child compiles and writes the program, the second
+finds it there — what a restarted run waits for (``Trainer`` keeps its cache in
+``workdir/compile_cache``; ``nan2safe_jax.compile_cache``). JSON under ``"restart"``.
 ``--scan-layers`` builds the nan2safe model with ``nnx.scan`` over stacked blocks (the plain
 arm stays a Python loop: flax's usual layout). The GPT-2-small shape:
 ``--compile --layers 12 --d-model 768 --heads 12 --seq 256 --dtype float16``.
@@ -66,7 +70,8 @@ the N devices are simulated: the script re-executes itself with
     python benchmarks/overhead.py [--rounds 5] [--steps 10] [--json PATH] [--dtype float32]
                                   [--devices N] [--sharding dp|fsdp|zero3] [--batch 8]
                                   [--ablation]
-                                  [--compile] [--scan-layers] [--layers 4] [--d-model 256]
+                                  [--compile [--restart]] [--scan-layers] [--layers 4]
+                                  [--d-model 256]
                                   [--heads 4] [--seq 128] [--rss-cap-gb 5]
     python benchmarks/overhead.py --processes 2   # N jax.distributed processes vs 1 process
                                                   # (benchmarks/overhead_processes.py)
@@ -78,9 +83,11 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -277,6 +284,8 @@ def table(record: dict) -> str:
         lines += _timing_table(record)
     for label, rec in record.get("compile", {}).items():
         lines += ["", f"compile time, {label}:"] + _compile_table(rec)
+    for label, rec in record.get("restart", {}).items():
+        lines += ["", f"restart, {label}:"] + _restart_table(rec)
     return "\n".join(lines).strip("\n")
 
 
@@ -407,6 +416,44 @@ def _compile_table(rec: dict) -> list[str]:
     return lines
 
 
+def _restart_table(rec: dict) -> list[str]:
+    """``--compile --restart``: each arm's compile in a fresh process with an empty persistent
+    compilation cache (it writes the program there), then in a second fresh process that finds
+    it there: what a run's first start and each restart wait for."""
+    lines = [
+        f"`{rec['command']}`",
+        f"backend {rec['backend']}  dtype {rec['dtype']}  scan_layers {rec['scan_layers']}"
+        f"  median of {rec['repeats']} runs per arm",
+        _model_line(rec),
+        f"{'arm':<10} {'trace s':>8} {'first compile s':>16} {'restart compile s':>18}"
+        f" {'restart trace + compile s':>26}",
+    ]
+    for k, r in rec["arms"].items():
+        if r.get("error"):
+            lines.append(f"{k:<10} {r['error']}")
+            continue
+        lines.append(
+            f"{k:<10} {r['lower_s']:8.1f} {r['compile_s']:16.1f} {r['restart_compile_s']:18.2f}"
+            f" {r['restart_lower_s'] + r['restart_compile_s']:26.1f}"
+        )
+    arms = rec["arms"]
+    if all("restart_compile_s" in arms.get(a, {}) for a in ("plain", "nan2safe")):
+        n, p = arms["nan2safe"], arms["plain"]
+        first = lambda r: r["lower_s"] + r["compile_s"]  # noqa: E731
+        again = lambda r: r["restart_lower_s"] + r["restart_compile_s"]  # noqa: E731
+        lines.append(
+            "restart compile nan2safe / plain: "
+            f"{n['restart_compile_s'] / p['restart_compile_s']:.2f}x; nan2safe's restart "
+            f"compile / plain's first compile: {n['restart_compile_s'] / p['compile_s']:.2f}x"
+        )
+        lines.append(
+            "time to the first step on a restart (trace + compile) nan2safe / plain: "
+            f"{again(n) / again(p):.2f}x (both with the cache); against plain without one: "
+            f"{again(n) / first(p):.2f}x"
+        )
+    return lines
+
+
 def _model_cfg(args) -> TransformerConfig:
     return TransformerConfig(
         num_layers=args.layers,
@@ -433,11 +480,20 @@ def _compile_child(args) -> None:
     print("RESULT " + json.dumps(rec), flush=True)
 
 
-def _run_child(argv: list[str], arm: str, cap_gb: float, timeout_s: float) -> dict:
+def _run_child(
+    argv: list[str], arm: str, cap_gb: float, timeout_s: float, cache_dir: str | None = None
+) -> dict:
     """Runs ``--compile-child arm`` in a subprocess; its peak RSS from ``os.wait4``; killed
-    past ``cap_gb`` of RSS or ``timeout_s``."""
+    past ``cap_gb`` of RSS or ``timeout_s``. The persistent compilation cache is off, or at
+    ``cache_dir`` (every program written, however fast it compiled)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--compile-child", arm]
     env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")
+    if cache_dir is not None:
+        env |= dict(
+            JAX_ENABLE_COMPILATION_CACHE="true",
+            JAX_COMPILATION_CACHE_DIR=cache_dir,
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        )
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     killed: list[str] = []
 
@@ -476,6 +532,8 @@ def _compile_main(args, argv) -> dict:
     if "--json" in argv:
         i = argv.index("--json")
         del argv[i : i + 2]
+    if args.restart:
+        return _restart_main(args, argv, orig)
     names = ("plain", "nan2safe", "general") + (("guard", "noprobe") if args.ablation else ())
     runs: dict[str, list[dict]] = {a: [] for a in names}
     for _ in range(args.repeats):  # arms interleaved, so a slow spell hits all of them
@@ -487,11 +545,18 @@ def _compile_main(args, argv) -> dict:
         if "compile_s" in arms[a] and "compile_s" in arms["plain"]
         else None
     )
+    extra = dict(ratio=ratio("nan2safe"), ratio_general=ratio("general"))
+    return _write_compile_record(args, orig, arms, "compile", _compile_table, **extra)
+
+
+def _write_compile_record(args, orig, arms: dict, key: str, render, **extra) -> dict:
+    """The record of a ``--compile`` run (``arms`` and the model), printed with ``render`` and
+    merged into ``--json``'s file under ``key`` and the model's label (the timing record of
+    the same file is kept)."""
     rec = {
         "arms": arms,
-        "ratio": ratio("nan2safe"),
-        "ratio_general": ratio("general"),
-        "split": compile_split(arms),
+        **extra,
+        "split": compile_split(arms) if key == "compile" else None,
         "dtype": args.dtype,
         "scan_layers": args.scan_layers,
         "backend": jax.default_backend(),
@@ -505,12 +570,58 @@ def _compile_main(args, argv) -> dict:
     }
     label = f"{args.layers}L d{args.d_model} seq{args.seq} {args.dtype}"
     label += " scan" if args.scan_layers else " unrolled"
-    print("\n".join(_compile_table(rec)))
-    if args.json:  # merged into the timing record's file, under "compile"
+    print("\n".join(render(rec)))
+    if args.json:
         doc = json.loads(args.json.read_text()) if args.json.exists() else {}
-        doc.setdefault("compile", {})[label] = rec
+        doc.setdefault(key, {})[label] = rec
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1))
+    return rec
+
+
+def _restart_main(args, argv: list[str], orig: list[str]) -> dict:
+    """``--compile --restart``: per arm and repeat, a fresh cache directory, one child that
+    compiles into it and one that finds the program there (``_restart_table``)."""
+    names = ("plain", "nan2safe", "general")
+    pairs: dict[str, list[tuple[dict, dict]]] = {a: [] for a in names}
+    for _ in range(args.repeats):
+        for a in names:
+            cache = tempfile.mkdtemp(prefix="n2s-restart-")
+            try:
+                first = _run_child(argv, a, args.rss_cap_gb, args.child_timeout, cache)
+                again = _run_child(argv, a, args.rss_cap_gb, args.child_timeout, cache)
+            finally:
+                shutil.rmtree(cache, ignore_errors=True)
+            pairs[a].append((first, again))
+    arms = {a: restart_arm(p) for a, p in pairs.items()}
+    return _write_compile_record(args, orig, arms, "restart", _restart_table)
+
+
+def restart_arm(pairs: list[tuple[dict, dict]]) -> dict:
+    """One arm's ``--restart`` record from its repeats' ``(first, again)`` child records.
+
+    Args:
+      pairs: per repeat, the child that compiled into the empty cache and the one after it.
+
+    Returns:
+      ``_median_run`` of the first children (``lower_s``, ``compile_s``, ...) with the medians
+      (and every run) of the second ones as ``restart_lower_s`` / ``restart_compile_s``; a
+      repeat where either child failed counts as failed.
+    """
+    firsts = []
+    for first, again in pairs:
+        if "compile_s" in first and "compile_s" in again:
+            again = {"restart_lower_s": again["lower_s"], "restart_compile_s": again["compile_s"]}
+            firsts.append({**first, **again})
+        else:
+            bad = first if "compile_s" not in first else again
+            firsts.append({"error": bad.get("error", "failed"), "rss_gb": bad.get("rss_gb", 0.0)})
+    rec = _median_run(firsts)
+    ok = [r for r in firsts if "restart_compile_s" in r]
+    for k in ("restart_lower_s", "restart_compile_s"):
+        if ok:
+            rec[k] = statistics.median(r[k] for r in ok)
+            rec[f"{k}_runs"] = [r[k] for r in ok]
     return rec
 
 
@@ -597,6 +708,11 @@ def main(argv=None):
     ap.add_argument("--compile", action="store_true", help="time lower + compile per arm")
     ap.add_argument("--rss-cap-gb", type=float, default=5.0)
     ap.add_argument("--repeats", type=int, default=1, help="--compile: runs per arm (median)")
+    ap.add_argument(
+        "--restart",
+        action="store_true",
+        help="--compile: each arm's first compile, then a restart's (persistent cache)",
+    )
     ap.add_argument("--child-timeout", type=float, default=600.0)
     ap.add_argument("--compile-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

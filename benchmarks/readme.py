@@ -133,6 +133,11 @@ TABLES: dict[str, tuple[str, Callable, Callable]] = {
         _overhead_processes,
         lambda rec, path: rec["command"],  # recorded since the script's first run
     ),
+    "overhead_restart": (
+        "docs/overhead_restart.json",
+        _overhead,
+        lambda doc, path: "; ".join(r["command"] for r in doc["restart"].values()),
+    ),
     "overhead_dp8": ("docs/overhead_dp8.json", _overhead, _overhead_command),
     "overhead_fsdp8": ("docs/overhead_fsdp8.json", _overhead, _overhead_command),
     "overhead_dp8_b64": ("docs/overhead_dp8_b64.json", _overhead, _overhead_command),
@@ -148,6 +153,7 @@ TABLES: dict[str, tuple[str, Callable, Callable]] = {
     "probe_set": ("docs/probe_set.json", _probe_set, lambda rec, path: rec["command"]),
 }
 MARKDOWN = {"locate"}  # renderers that return a markdown table, not preformatted text
+MERGED = {"false_alarms", "overhead_restart"}  # JSONs that runs merge into, a command each
 
 
 def render_block(name: str) -> str:
@@ -155,7 +161,7 @@ def render_block(name: str) -> str:
     path, table, rebuild = TABLES[name]
     data = json.loads((ROOT / path).read_text())
     recorded = isinstance(data, dict) and data.get("command")
-    if name == "false_alarms":
+    if name in MERGED:
         how = f"Written by `{rebuild(data, path)}` (each run merged into `{path}`)."
     elif recorded:
         how = f"Written by `{data['command']}`."

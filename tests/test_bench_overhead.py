@@ -155,3 +155,34 @@ def test_compile_ablation_splits_the_added_compile_into_machinery_sites_and_prob
     assert (
         "; sites and the layer scan (noprobe - guard) +0.5 s" in bench._compile_table(scanned)[-1]
     )
+
+
+def test_restart_record_pairs_each_first_compile_with_the_restart_after_it(bench):
+    child = lambda lower, comp: {"lower_s": lower, "compile_s": comp, "rss_gb": 0.5}  # noqa: E731
+    killed = {"error": "killed: RSS 5.1 GB, 3 s", "rss_gb": 5.1}
+    plain = bench.restart_arm([(child(1.0, 3.0), child(1.0, 0.4))] * 3)
+    n2s = bench.restart_arm(
+        [
+            (child(2.0, 5.0), child(2.0, 0.8)),
+            (child(2.0, 6.0), killed),  # the repeat fails as a whole
+            (child(2.0, 4.0), child(2.0, 1.0)),
+        ]
+    )
+    assert (n2s["compile_s"], n2s["restart_compile_s"]) == (4.5, 0.9)
+    assert n2s["restart_compile_s_runs"] == [0.8, 1.0] and n2s["failed_runs"] == [killed["error"]]
+    table = bench._restart_table(
+        dict(
+            command="python benchmarks/overhead.py --compile --restart", backend="cpu",
+            dtype="float32", scan_layers=False, repeats=3, layers=4, d_model=256, seq=128,
+            batch=8, arms={"plain": plain, "nan2safe": n2s},
+        )
+    )  # fmt: skip
+    assert table[4].split() == ["plain", "1.0", "3.0", "0.40", "1.4"]
+    assert table[5].split() == ["nan2safe", "2.0", "4.5", "0.90", "2.9"]
+    assert table[-2] == (
+        "restart compile nan2safe / plain: 2.25x; nan2safe's restart compile / plain's first "
+        "compile: 0.30x"
+    )
+    assert table[-1].endswith("nan2safe / plain: 2.07x (both with the cache); against plain "
+                              "without one: 0.72x")  # fmt: skip
+    assert bench.restart_arm([(killed, child(1.0, 1.0))])["error"] == killed["error"]
