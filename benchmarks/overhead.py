@@ -545,7 +545,7 @@ def _compile_main(args, argv) -> dict:
         if "compile_s" in arms[a] and "compile_s" in arms["plain"]
         else None
     )
-    extra = dict(ratio=ratio("nan2safe"), ratio_general=ratio("general"))
+    extra = dict(ratio=ratio("nan2safe"), ratio_general=ratio("general"), split=compile_split(arms))
     return _write_compile_record(args, orig, arms, "compile", _compile_table, **extra)
 
 
@@ -556,7 +556,6 @@ def _write_compile_record(args, orig, arms: dict, key: str, render, **extra) -> 
     rec = {
         "arms": arms,
         **extra,
-        "split": compile_split(arms) if key == "compile" else None,
         "dtype": args.dtype,
         "scan_layers": args.scan_layers,
         "backend": jax.default_backend(),

@@ -79,9 +79,7 @@ def _compile_cache(setting, workdir: Path) -> Path | None:
     if setting is False:
         return compile_cache_lib.current()
     if setting is True:  # the default: a cache the process set already is kept, unremarked
-        if compile_cache_lib.current() is not None:
-            return compile_cache_lib.current()
-        setting = workdir / "compile_cache"
+        setting = compile_cache_lib.current() or workdir / "compile_cache"
     if not isinstance(setting, (str, os.PathLike)):
         raise ValueError(
             f"compile_cache must be True, False or a directory, got {type(setting).__name__}"
