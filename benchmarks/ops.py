@@ -7,12 +7,15 @@ of the plain flax module, and one of the nan2safe site with its gear as a *trace
 more traced with no probe ("no-probe": the cost of the gear dispatch and FAST alone), and once
 as the train step's FAST-only program runs it ("FAST-only": its gear ``fast_only_gear()``, no
 switch; what every all-FAST step of ``make_train_step`` runs, ``nan2safe_jax.programs``). Rounds are
-interleaved (every variant once per round, in turn) and the median per-call time is reported,
-so slow drifts of a shared machine hit all variants alike. For the target's pair (FAST-only
+interleaved: in each round every variant is timed in ``--chunks`` chunks of ~10 ms, in a new
+random order each chunk, and the round keeps each variant's fastest chunk
+(``measure.interleaved_rounds``); the median over the rounds is reported, so slow drifts of a
+shared machine hit all variants alike. For the target's pair (FAST-only
 and flax) the JSON keeps every round, and the table adds the median of the rounds' paired ratios
 with its 95% bootstrap interval and a verdict (``benchmarks/measure.py``).
 
-    python benchmarks/ops.py [--json out.json] [--rounds 15] [--dtype float32] [--forward]
+    python benchmarks/ops.py [--json out.json] [--rounds 15] [--chunks 5] [--dtype float32]
+                             [--forward]
 
 Target: FAST / flax <= 1.05 per module (for what a FAST train step runs: the FAST-only column).
 Demo sizes: batch 8, seq 128, d_model 256, 4 heads.
@@ -37,9 +40,10 @@ from flax import nnx
 from nan2safe_jax import nn, probe
 from nan2safe_jax.config import Config
 from nan2safe_jax.ops import dispatch
+from nan2safe_jax.site import site_gears
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import paired_ratio, ratio_text  # noqa: E402
+from measure import interleaved_rounds, paired_ratio, ratio_text  # noqa: E402
 
 B, T, D, H, FF, V, E, K = 8, 128, 256, 4, 1024, 256, 8, 2
 TARGET = 1.05  # FAST-only / flax per module (issue #15)
@@ -125,6 +129,12 @@ def _step_fn(module, call, forward: bool, with_gear: bool):
         m = nnx.merge(graphdef, params, rest, copy=True)
         if with_gear:
             m.gear.set_value(gear)
+        if with_gear and gear.dtype == dispatch.FAST_ONLY:
+            # as a FAST-only train step runs it: every site inside too (MultiHeadAttention's
+            # projections are sites; with a traced gear each switched, as in the general
+            # program, until 2026-12-04 in this arm too)
+            for var in site_gears(m).values():
+                var.set_value(gear)
         y = call(m, x)
         return jnp.sum(y.astype(jnp.float32)), nnx.state(m, nnx.Not(nnx.Param))
 
@@ -148,13 +158,19 @@ def _time(fn: Callable[[], object], iters: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+def _chunks(result: dict) -> str:
+    """How a round was taken (records before ``--chunks``: one timing per variant, in order)."""
+    n = result.get("chunks")
+    return f" (fastest of {n} shuffled chunks each)" if n else ""
+
+
 def table(result: dict) -> str:
     """The results of ``main`` (or its JSON) as the printed table."""
     sh = result["shape"]
     lines = [
         f"nan2safe.nn sites vs flax.nnx, {result['mode']}, {result['dtype']}, B={sh['batch']} "
         f"T={sh['seq']} D={sh['d_model']} H={sh['heads']}; median of {result['rounds']} "
-        f"interleaved rounds; {result['backend']}"
+        f"interleaved rounds{_chunks(result)}; {result['backend']}"
     ]
     only = all("fast_only_ratio" in r for r in result["rows"])  # not in JSONs of older runs
     hdr = (
@@ -200,8 +216,16 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--iters", type=int, default=0, help="calls per timing (0: ~50 ms worth)")
+    ap.add_argument(
+        "--iters",
+        type=int,
+        default=0,
+        help="calls per round, split over the chunks (0: ~50 ms worth)",
+    )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument(
+        "--chunks", type=int, default=5, help="chunks per variant per round (the fastest is kept)"
+    )
     ap.add_argument("--forward", action="store_true", help="forward only (default: fwd+bwd)")
     ap.add_argument("--only", nargs="*", help="module names to run")
     args = ap.parse_args(argv)
@@ -240,10 +264,11 @@ def main(argv=None) -> dict:
         n = args.iters or max(1, int(0.05 / max(_time(thunk, 2), 1e-6)))
         iters[key] = n
 
-    samples = {key: [] for key in variants}
-    for _ in range(args.rounds):
-        for key, thunk in variants.items():
-            samples[key].append(_time(thunk, iters[key]))
+    chunk = {
+        key: (lambda key=key: _time(variants[key], max(1, iters[key] // args.chunks)))
+        for key in variants
+    }
+    samples = interleaved_rounds(chunk, args.rounds, args.chunks)
     med = {key: statistics.median(v) for key, v in samples.items()}
 
     rows = []
@@ -272,6 +297,7 @@ def main(argv=None) -> dict:
         "dtype": dtype.name,
         "shape": {"batch": B, "seq": T, "d_model": D, "heads": H, "ff": FF, "experts": E},
         "rounds": args.rounds,
+        "chunks": args.chunks,
         "backend": jax.devices()[0].platform,
         "jax": jax.__version__,
         "machine": platform.machine(),

@@ -10,11 +10,14 @@ Both arms train the demo-size decoder (4 layers, d_model 256, seq 128, batch 8, 
              (``TransformerConfig(knobs=False)``): the plain twin has none, and each is a
              multiply by a runtime scalar in every kernel that reads what it scales (156 of the
              demo step's ~6,500 fused instructions, counted on 2026-12-02).
-Variants are interleaved over rounds so machine drift hits both alike; each round times
-``--steps`` steps after a warm-up. Prints min/median/max per arm, the ratio of the medians, and
-the median of the rounds' paired ratios (each arm's round over the plain arm's same round) with
-its 95% bootstrap interval and a verdict against the 1.03 target: met, missed, or not resolved
-by the run (the interval straddles it) — ``benchmarks/measure.py``.
+Variants are interleaved over rounds so machine drift hits both alike: each round times every
+arm in ``--chunks`` chunks of ``--steps`` steps after a warm-up, in a new random order each
+chunk, and keeps each arm's fastest chunk (``measure.interleaved_rounds``; before 2026-12-04
+the arms ran once per round in a fixed order, plain first). Prints min/median/max per arm,
+the ratio of the medians, and the median of the rounds' paired ratios (each arm's round over
+the plain arm's same round) with its 95% bootstrap interval and a verdict against the 1.03
+target: met, missed, or not resolved by the run (the interval straddles it) —
+``benchmarks/measure.py``.
 
 ``--ablation`` adds arms that split the overhead (interleaved with the others):
   general  — the nan2safe arm with ``make_train_step(fast_program=False)``: the one general
@@ -102,7 +105,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from measure import paired_ratio, program_size, ratio_text  # noqa: E402
+from measure import interleaved_rounds, paired_ratio, program_size, ratio_text  # noqa: E402
 
 import nan2safe_jax as nan2safe  # noqa: E402
 from examples.transformer import Transformer, TransformerConfig, lm_loss, make_batch  # noqa: E402
@@ -302,6 +305,12 @@ def _timing_table(record: dict) -> list[str]:
         f"backend {record['backend']}  devices {record['devices']}  dtype {record['dtype']}",
         _model_line(record),
     ]
+    if "rounds" in record:
+        chunks = record.get("chunks", 1)  # records before --chunks: one in-order chunk
+        lines.append(
+            f"{record['rounds']} rounds of {record['steps_per_round']} steps"
+            + (f", each arm's fastest of {chunks} shuffled chunks per round" if chunks > 1 else "")
+        )
     if record.get("sharding"):
         lines.append(f"sharding: {record['sharding']}  mesh {record['mesh']}")
     cpu = record.get("cpu_median_s")
@@ -690,7 +699,10 @@ def _command(argv) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10, help="steps per chunk")
+    ap.add_argument(
+        "--chunks", type=int, default=1, help="chunks per arm per round (the fastest is kept)"
+    )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=256)
@@ -746,13 +758,10 @@ def main(argv=None):
             run.wait()
             time_steps(run, batches, 1)
     programs = {k: run.program() for k, run in arms.items() if hasattr(run, "program")}
-    times = {k: [] for k in arms}
-    cpu = {k: [] for k in arms}
-    for _ in range(args.rounds):
-        for name, run in arms.items():
-            wall, c = time_steps(run, batches, args.steps)
-            times[name].append(wall)
-            cpu[name].append(c)
+    chunk = {k: (lambda run=run: time_steps(run, batches, args.steps)) for k, run in arms.items()}
+    rounds = interleaved_rounds(chunk, args.rounds, args.chunks, key=lambda m: m[0])
+    times = {k: [wall for wall, _ in v] for k, v in rounds.items()}
+    cpu = {k: [c for _, c in v] for k, v in rounds.items()}
 
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med["nan2safe"] / med["plain"] if "nan2safe" in med else None
@@ -764,6 +773,7 @@ def main(argv=None):
         "cpu_s": cpu,
         "rounds": args.rounds,
         "steps_per_round": args.steps,
+        "chunks": args.chunks,
         "dtype": args.dtype,
         "backend": jax.default_backend(),
         "devices": jax.device_count(),

@@ -139,3 +139,32 @@ def test_program_size_of_a_real_program_grows_with_its_kernels(measure):
     assert big["distinct_kernels"] == big["kernels"] == 2  # a sum and a max: not the same kernel
     assert big["flops"] > small["flops"] > 0
     assert small["bytes_accessed"] >= 2 * x.nbytes  # reads x, writes its result
+
+
+def test_interleaved_rounds_keeps_each_rounds_fastest_chunk(measure):
+    """Each arm's value of a round is the smallest of its chunks in that round (by ``key``),
+    and every arm gets one value per round."""
+    seq = {"a": iter([3.0, 1.0, 2.0, 5.0, 4.0, 6.0]), "b": iter([(2.0, 9), (1.5, 8)] * 3)}
+    arms = {n: (lambda it=it: next(it)) for n, it in seq.items()}
+    out = measure.interleaved_rounds(
+        arms, rounds=2, chunks=3, key=lambda m: m[0] if isinstance(m, tuple) else m
+    )
+    assert out == {"a": [1.0, 4.0], "b": [(1.5, 8), (1.5, 8)]}
+
+
+def test_interleaved_rounds_visits_every_arm_once_per_chunk_in_shuffled_orders(measure):
+    """No arm always runs after the same other: each chunk is a permutation of the arms, and
+    the permutations differ (a fixed order biased the arm that followed the heaviest one)."""
+    calls = []
+    arms = {n: (lambda n=n: calls.append(n) or 1.0) for n in "abcde"}
+    measure.interleaved_rounds(arms, rounds=4, chunks=5, seed=3)
+    chunks = [tuple(calls[i : i + 5]) for i in range(0, len(calls), 5)]
+    assert len(chunks) == 20
+    assert all(sorted(c) == list("abcde") for c in chunks)
+    assert len(set(chunks)) > 10
+
+
+@pytest.mark.parametrize("rounds, chunks", [(0, 1), (1, 0)])
+def test_interleaved_rounds_needs_a_round_and_a_chunk(measure, rounds, chunks):
+    with pytest.raises(ValueError, match="rounds=.* and chunks="):
+        measure.interleaved_rounds({"a": lambda: 1.0}, rounds=rounds, chunks=chunks)

@@ -186,3 +186,16 @@ def test_restart_record_pairs_each_first_compile_with_the_restart_after_it(bench
     assert table[-1].endswith("nan2safe / plain: 2.07x (both with the cache); against plain "
                               "without one: 0.72x")  # fmt: skip
     assert bench.restart_arm([(killed, child(1.0, 1.0))])["error"] == killed["error"]
+
+
+def test_timing_table_says_how_the_rounds_were_taken(bench):
+    rec = dict(
+        backend="cpu", devices=1, dtype="float32", batch=8, layers=4, d_model=256, seq=128,
+        times_s={"plain": [0.3, 0.31]}, median_s={"plain": 0.305}, ratio=None,
+        rounds=2, steps_per_round=4,
+    )  # fmt: skip
+    assert "2 rounds of 4 steps" in bench._timing_table(rec)
+    rec["chunks"] = 3
+    assert "2 rounds of 4 steps, each arm's fastest of 3 shuffled chunks per round" in (
+        bench._timing_table(rec)
+    )
