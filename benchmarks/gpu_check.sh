@@ -26,6 +26,6 @@ timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py -rs --d
   2>&1 | tee "$OUT_DIR/gpu_kernel_tests.txt" || status=$?
 timeout 90 "$PY" benchmarks/kernels.py --repeats 50 --scale 4 \
   --json "$OUT_DIR/kernels_gpu.json" 2>&1 | tee "$OUT_DIR/kernels_gpu.txt" || status=$?
-timeout 100 "$PY" benchmarks/overhead.py --arms plain,nan2safe,safe_attn --rounds 5 --steps 10 \
+timeout 100 "$PY" benchmarks/overhead.py --arms plain,nan2safe,safe_attn --rounds 7 --steps 4 --chunks 3 \
   --json "$OUT_DIR/overhead_gpu.json" 2>&1 | tee "$OUT_DIR/overhead_gpu.txt" || status=$?
 exit "$status"
