@@ -61,6 +61,12 @@ finds it there — what a restarted run waits for (``Trainer`` keeps its cache i
 arm stays a Python loop: flax's usual layout). The GPT-2-small shape:
 ``--compile --layers 12 --d-model 768 --heads 12 --seq 256 --dtype float16``.
 
+``--donate``: every arm's step donates its state, as a training loop that keeps no old state
+would (the plain step ``donate_argnums=(0, 1)``, nan2safe ``make_train_step(donate=True)``).
+Without it neither does (the default): a state leaf the step returns unchanged (a gear, a knob,
+a probe no kind writes) is then a copy of its input, one small kernel each (~260 in the demo's
+FAST-only step; the plain step returns only its parameters and optimizer state).
+
 With ``--devices N`` both arms run sharded over N devices (``--sharding dp``: batch over a
 ``data`` axis of N, parameters replicated; ``fsdp``: a ``2 x N/2`` data x fsdp mesh, parameters
 and optimizer state split over ``fsdp``, the batch over ``data`` only, so how the ``fsdp``
@@ -70,9 +76,9 @@ shardings. On CPU
 the N devices are simulated: the script re-executes itself with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (it must be set before JAX starts).
 
-    python benchmarks/overhead.py [--rounds 5] [--steps 10] [--json PATH] [--dtype float32]
-                                  [--devices N] [--sharding dp|fsdp|zero3] [--batch 8]
-                                  [--ablation]
+    python benchmarks/overhead.py [--rounds 5] [--steps 10] [--chunks 1] [--json PATH]
+                                  [--dtype float32] [--donate] [--devices N]
+                                  [--sharding dp|fsdp|zero3] [--batch 8] [--ablation]
                                   [--compile [--restart]] [--scan-layers] [--layers 4]
                                   [--d-model 256]
                                   [--heads 4] [--seq 128] [--rss-cap-gb 5]
@@ -84,6 +90,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -155,7 +162,7 @@ def plain_loss(model, batch):
     return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
-def make_plain(cfg, tx, rules=None):
+def make_plain(cfg, tx, rules=None, donate=False):
     model = PlainTransformer(cfg, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     opt_state = tx.init(params)
@@ -168,8 +175,9 @@ def make_plain(cfg, tx, rules=None):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
+    donated = dict(donate_argnums=(0, 1)) if donate else {}
     if rules is None:
-        step = jax.jit(raw_step)
+        step = jax.jit(raw_step, **donated)
     else:  # the same placement nan2safe.sharding gives the nan2safe arm
         ps = jax.tree_util.tree_map(rules.param_sharding, params)
         os_ = jax.tree_util.tree_map(rules.param_sharding, opt_state)
@@ -179,6 +187,7 @@ def make_plain(cfg, tx, rules=None):
             raw_step,
             in_shardings=(ps, os_, rs, rules.batch_sharding(jnp.zeros((rules.num_data_shards,)))),
             out_shardings=(ps, os_, rules.replicated),
+            **donated,
         )
 
     carry = [params, opt_state]
@@ -188,6 +197,7 @@ def make_plain(cfg, tx, rules=None):
         return loss
 
     run.lower = lambda batch: step.lower(carry[0], carry[1], rest, batch)
+    run.carry = carry  # the state the next step gets: [params, opt_state]
     return run
 
 
@@ -200,6 +210,7 @@ def make_n2s(
     loss_fn=lm_loss,
     fast_program=True,
     background=False,
+    donate=False,
 ):
     """The nan2safe arm; ``model``/``loss_fn`` default to the example transformer (the guard
     ablation passes the plain model and its loss). ``run.lower`` lowers the program an all-FAST
@@ -210,7 +221,9 @@ def make_n2s(
     n2s_cfg = nan2safe.Config() if n2s_cfg is None else n2s_cfg
     state = nan2safe.TrainState.create(model, nan2safe.optax.guard(tx), n2s_cfg)
     with _background(background):
-        step = nan2safe.make_train_step(loss_fn, rules=rules, fast_program=fast_program)
+        step = nan2safe.make_train_step(
+            loss_fn, rules=rules, fast_program=fast_program, donate=donate
+        )
     carry = [state]
 
     def run(batch):
@@ -218,6 +231,7 @@ def make_n2s(
             carry[0], m = step(carry[0], batch)
         return m["loss"]
 
+    run.carry = carry  # the state the next step gets: [TrainState]
     run.wait = step.wait_compiled
     # the StepPrograms in use: a sharded step makes its own at its first call (the last one)
     run.program = lambda: step.programs[-1].last_program if step.programs else "general"
@@ -247,26 +261,28 @@ def _background(on: bool):
             os.environ["NAN2SAFE_BACKGROUND_COMPILE"] = old
 
 
-def make_arm(name, cfg, tx, rules=None):
-    """One arm of the comparison by name (see the module docstring)."""
+def make_arm(name, cfg, tx, rules=None, donate=False):
+    """One arm of the comparison by name (see the module docstring); ``donate``: the arm's
+    step donates its state (``--donate``)."""
     if name == "plain":
-        return make_plain(cfg, tx, rules)
+        return make_plain(cfg, tx, rules, donate)
+    n2s = functools.partial(make_n2s, donate=donate)
     if name == "nan2safe":
-        return make_n2s(cfg, tx, rules)
+        return n2s(cfg, tx, rules)
     if name == "general":
-        return make_n2s(cfg, tx, rules, fast_program=False)
+        return n2s(cfg, tx, rules, fast_program=False)
     if name == "noprobe":
-        return make_n2s(cfg, tx, rules, n2s_cfg=nan2safe.Config(probes=()))
+        return n2s(cfg, tx, rules, n2s_cfg=nan2safe.Config(probes=()))
     if name in ("safe_attn", "safe_attn_general"):
         n2s_cfg = nan2safe.Config(safe_max_steps=10**6)
         partial = name == "safe_attn"
-        run = make_n2s(cfg, tx, rules, n2s_cfg=n2s_cfg, fast_program=partial, background=partial)
+        run = n2s(cfg, tx, rules, n2s_cfg=n2s_cfg, fast_program=partial, background=partial)
         run.set_site("blocks.0.attn", nan2safe.Gear.SAFE, n2s_cfg)
         return run
     if name in ("guard", "guard_general"):
         model = PlainTransformer(cfg, rngs=nnx.Rngs(0))
         fast = name == "guard"
-        return make_n2s(cfg, tx, rules, model=model, loss_fn=plain_loss, fast_program=fast)
+        return n2s(cfg, tx, rules, model=model, loss_fn=plain_loss, fast_program=fast)
     raise ValueError(f"unknown arm {name!r}")
 
 
@@ -479,7 +495,7 @@ def _compile_child(args) -> None:
     """In a fresh process: lower and compile one arm's step; prints one JSON line."""
     cfg = _model_cfg(args)
     batch = make_batch(jax.random.key(0), cfg, args.batch)
-    run = make_arm(args.compile_child, cfg, optax.adamw(3e-4))
+    run = make_arm(args.compile_child, cfg, optax.adamw(3e-4), donate=args.donate)
     t0 = time.perf_counter()
     lowered = run.lower(batch)
     t1 = time.perf_counter()
@@ -716,6 +732,9 @@ def main(argv=None):
     ap.add_argument("--processes", type=int, default=1, help="N processes vs one")
     ap.add_argument("--ablation", action="store_true", help="add guard, noprobe, safe_attn")
     ap.add_argument("--arms", help="comma-separated arms to time instead (plain first)")
+    ap.add_argument(
+        "--donate", action="store_true", help="every arm's step donates its state (in place)"
+    )
     ap.add_argument("--compile", action="store_true", help="time lower + compile per arm")
     ap.add_argument("--rss-cap-gb", type=float, default=5.0)
     ap.add_argument("--repeats", type=int, default=1, help="--compile: runs per arm (median)")
@@ -750,7 +769,7 @@ def main(argv=None):
         names = args.arms.split(",")
         if names[0] != "plain":
             raise SystemExit("--arms: the first arm must be plain (the ratios' base)")
-    arms = {k: make_arm(k, cfg, tx, rules) for k in names}
+    arms = {k: make_arm(k, cfg, tx, rules, args.donate) for k in names}
     for run in arms.values():  # compile and warm up
         time_steps(run, batches, 3)
     for run in arms.values():  # background compiles (safe_attn's partial program) done
@@ -774,6 +793,7 @@ def main(argv=None):
         "rounds": args.rounds,
         "steps_per_round": args.steps,
         "chunks": args.chunks,
+        "donate": args.donate,
         "dtype": args.dtype,
         "backend": jax.default_backend(),
         "devices": jax.device_count(),

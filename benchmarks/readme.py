@@ -145,6 +145,8 @@ TABLES: dict[str, tuple[str, Callable, Callable]] = {
     "overhead_zero3_b64": ("docs/overhead_zero3_b64.json", _overhead, _overhead_command),
     "overhead_dp8_ablation": ("docs/overhead_dp8_ablation.json", _overhead, _overhead_command),
     "overhead_dp8_sync": ("docs/overhead_dp8_sync.json", _overhead, _overhead_command),
+    "overhead_donate": ("docs/overhead_donate.json", _overhead, _overhead_command),
+    "overhead_dp8_donate": ("docs/overhead_dp8_donate.json", _overhead, _overhead_command),
     "zoo": ("docs/zoo_quick.json", _zoo, _zoo_command),
     "zoo_lr_cut": ("docs/zoo_lr_cut.json", _zoo, _zoo_command),
     "ops": ("docs/ops.json", _ops, _ops_command),

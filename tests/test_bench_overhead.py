@@ -199,3 +199,27 @@ def test_timing_table_says_how_the_rounds_were_taken(bench):
     assert "2 rounds of 4 steps, each arm's fastest of 3 shuffled chunks per round" in (
         bench._timing_table(rec)
     )
+
+
+@pytest.mark.parametrize("arm", ["plain", "nan2safe"])
+def test_donate_makes_each_arm_step_in_place(bench, arm):
+    """``--donate``: each arm's step donates the state it is given (its buffers are gone after
+    the step), and the run goes on from the state the step returned."""
+    import argparse
+
+    import jax
+    import optax
+
+    from examples.transformer import make_batch
+
+    size = dict(layers=1, d_model=32, heads=2, seq=8, dtype="float32", scan_layers=False)
+    cfg = bench._model_cfg(argparse.Namespace(**size))
+    batch = make_batch(jax.random.key(0), cfg, 2)
+    kept = {}
+    for donate in (False, True):
+        run = bench.make_arm(arm, cfg, optax.sgd(1e-2), donate=donate)
+        leaf = jax.tree_util.tree_leaves(run.carry)[0]
+        losses = [float(run(batch)) for _ in range(2)]
+        kept[donate] = (leaf.is_deleted(), losses)
+    assert kept[False][0] is False and kept[True][0] is True
+    assert kept[False][1] == kept[True][1]  # the same steps either way

@@ -232,3 +232,21 @@ def test_sown_probes_are_discovered():
     assert "out" in state.detector.names and "out" in m["probes"]
     state, m = step(state, (x[1], y[1]))
     assert int(state.detector.count[state.detector.names.index("out")]) == 2
+
+
+def test_a_donated_step_computes_what_an_undonated_one_does_skips_included():
+    """``donate=True`` gives the states an undonated step gives, bit for bit, over clean steps
+    and a skipped one (a NaN in the batch: everything kept)."""
+    x, y = _data(5)
+    batches = [(x[i], y[i]) for i in range(5)]
+    batches[3] = (x[3].at[0, 0].set(jnp.nan), y[3])
+    runs = {}
+    for donate in (False, True):
+        step, state, seen = make_train_step(loss_fn, donate=donate), _state(), []
+        for b in batches:
+            state, m = step(state, b)
+            seen.append((jax.device_get((state.params, state.opt_state)), bool(m["skipped"])))
+        runs[donate] = seen
+    assert [s for _, s in runs[True]] == [False, False, False, True, False]
+    for (a, _), (b, _) in zip(runs[False], runs[True], strict=True):
+        _assert_same(a, b)
