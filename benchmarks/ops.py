@@ -128,12 +128,10 @@ def _step_fn(module, call, forward: bool, with_gear: bool):
     def loss(params, rest, x, gear):
         m = nnx.merge(graphdef, params, rest, copy=True)
         if with_gear:
-            m.gear.set_value(gear)
-        if with_gear and gear.dtype == dispatch.FAST_ONLY:
-            # as a FAST-only train step runs it: every site inside too (MultiHeadAttention's
-            # projections are sites; with a traced gear each switched, as in the general
-            # program, until 2026-12-04 in this arm too)
-            for var in site_gears(m).values():
+            # FAST-only sets every site inside too, as the train step does (MultiHeadAttention's
+            # projections are sites); a traced gear sets the module's own, as one site in a gear
+            fast_only = gear.dtype == dispatch.FAST_ONLY
+            for var in site_gears(m).values() if fast_only else [m.gear]:
                 var.set_value(gear)
         y = call(m, x)
         return jnp.sum(y.astype(jnp.float32)), nnx.state(m, nnx.Not(nnx.Param))
