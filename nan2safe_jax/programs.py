@@ -8,7 +8,8 @@ function twice:
 
 * **FAST-only**: ``train_step(fast_only=True)``, traced with every site's gear a constant FAST:
   no switch is traced, so XLA compiles and runs what the FAST paths are (flax's own layers, with
-  probes). The gear logic still runs on the state's gears and decides the next ones.
+  probes). The gear logic still runs (on FAST gears, known at trace time) and decides the
+  next ones.
 * **general**: the state's gears traced as data: every gear's path compiled once; changing gear
   never retraces or recompiles.
 

@@ -267,8 +267,9 @@ def train_step(
     ``fast_only``: the step specialised to a state whose gears are all FAST
     (``programs.all_fast``): every site runs its FAST path as plain code, with no gear switch
     to trace or compile (``ops.dispatch.fast_only_gear``). The gear logic itself (detector,
-    transitions, learning-rate factors) still runs on the state's gears, so it computes what
-    the general step computes for such a state, next gears included.
+    transitions, learning-rate factors) still runs, on the gears such a state holds as
+    constants (``gear.known_fast``), so it computes what the general step computes for it,
+    next gears included.
 
     ``fast_sites`` (without ``fast_only``): a *partial* program, for a state whose level and
     these sites are FAST while the other sites are not (one site in SAFE after an incident):
@@ -303,7 +304,7 @@ def train_step(
                 large_sum=large_sum,
             )
     cfg = state.cfg
-    gs = state.gear
+    gs = gear_lib.known_fast(state.gear) if fast_only else state.gear
     rest = _with_gears(state, fast_only, fast_sites)
     scale = guard_lib.loss_scale_of(state.opt_state)
     # One reduction over the batch's floating leaves; under sharding it is a global reduction in

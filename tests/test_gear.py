@@ -1,6 +1,7 @@
 """Gear transitions: downshift, staged recovery, SAFE dwell and back-off, jit round-trips."""
 
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -254,3 +255,34 @@ def test_decide_with_sites_known_fast_is_decide(risk, bad):
         ):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
             assert a.dtype == b.dtype
+
+
+def test_known_fast_holds_every_gear_fast_as_a_constant_and_keeps_the_counters():
+    gs = GearState.create({"a": (), "stack": (3,)})
+    gs = G.set_site(gs, "stack", Gear.SAFE, index=1, cfg=CFG)
+    gs = G.set_level(gs, Gear.STABLE, CFG).replace(downshifts=jnp.int32(4))
+    known = G.known_fast(gs)
+    assert int(known.level) == Gear.FAST
+    for k, v in gs.sites.items():
+        assert known.sites[k].shape == v.shape and known.sites[k].dtype == jnp.int32
+        assert not np.any(np.asarray(known.sites[k]))
+    for field in ("safe_left", "safe_entries"):
+        for k in gs.sites:
+            assert getattr(known, field)[k] is getattr(gs, field)[k]
+    assert known.downshifts is gs.downshifts and known.calm is gs.calm
+
+    # Traced, every flag over the known gears is a constant: nothing it computes reads the
+    # state (XLA folds the rest away). The same flags of the state itself do read it.
+    flags = lambda g: (G.any_safe(g), G.any_below_fast(g))  # noqa: E731
+    assert not _reads_its_input(lambda g: flags(G.known_fast(g)), gs)
+    assert _reads_its_input(flags, gs)
+
+
+def _reads_its_input(fn, *args) -> bool:
+    """Whether an output of ``fn``'s jaxpr depends on one of its inputs."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    reads = set(jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        if any(v in reads for v in eqn.invars if isinstance(v, jex_core.Var)):
+            reads.update(eqn.outvars)
+    return bool(reads & {v for v in jaxpr.outvars if isinstance(v, jex_core.Var)})

@@ -231,3 +231,30 @@ def test_a_switched_gear_runs_only_the_taken_path_with_its_own_gradient(gear):
     for a, b, c in zip(got, want, ref, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
         np.testing.assert_allclose(a, c, rtol=1e-6)
+
+
+def test_the_fast_program_decides_the_next_gears_the_general_program_decides():
+    """The FAST-only program reads an all-FAST state's gears as constants (``gear.known_fast``):
+    after a calm step, a non-finite loss (a downshift) and a batch with a NaN (data: the gears
+    stay), its next gears and gear metrics are the general program's, bit for bit."""
+    step = make_train_step(loss_fn)
+    general = make_train_step(loss_fn, fast_program=False)
+    x, y = data(3)
+    batches = {
+        "calm": (x[0], y[0]),
+        "non-finite loss": (x[1], jnp.full_like(y[1], 1e30)),
+        "polluted": (x[2].at[0, 0].set(jnp.nan), y[2]),
+    }
+    for what, batch in batches.items():
+        a, ma = step(_state(), batch)
+        assert _program(step) == "fast", what
+        b, mb = general(_state(), batch)
+        got, want = jax.tree_util.tree_leaves(a.gear), jax.tree_util.tree_leaves(b.gear)
+        for u, v in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v), err_msg=what)
+        for k in ("next_gear", "next_all_fast", "incident", "polluted", "skipped"):
+            assert bool(ma[k]) == bool(mb[k]), (what, k)
+        assert {k: int(v) for k, v in ma["site_gears"].items()} == {
+            k: int(v) for k, v in mb["site_gears"].items()
+        }, what
+    assert int(a.gear.level) == Gear.FAST  # the polluted batch left the gears alone
