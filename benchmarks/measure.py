@@ -157,3 +157,70 @@ def program_size(compiled) -> dict[str, float]:
         "flops": float(cost.get("flops", 0.0)),
         "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
     }
+
+
+# XLA's CPU compiler logs its phases with these (``TF_CPP_VMODULE``, shown at
+# ``TF_CPP_MIN_LOG_LEVEL`` 0): ``compile_phases`` reads a compile child's stderr written so.
+PHASE_LOG_ENV = {
+    "TF_CPP_MIN_LOG_LEVEL": "0",
+    "TF_CPP_VMODULE": "hlo_pass_pipeline=1,cpu_compiler=1",
+}
+_STAMP = re.compile(r"^[IWEF]\d{4} (\d\d):(\d\d):(\d\d\.\d+)")
+_US = re.compile(r"time: [^(]*\((\d+) us\)")
+
+
+def _stamp(line: str) -> float | None:
+    m = _STAMP.match(line)
+    return None if m is None else int(m[1]) * 3600 + int(m[2]) * 60 + float(m[3])
+
+
+def compile_phases(log: str) -> dict[str, float]:
+    """Where XLA's CPU compiler spent the largest compile of ``log`` (stderr of a process run
+    with ``PHASE_LOG_ENV``): its HLO passes, then, from the scheduled module, emitting every
+    kernel (one LLVM module each, verified as it is made) and LLVM compiling them.
+
+    Compile time on the CPU follows the number of LLVM modules more than their size (a kernel
+    of one scalar costs about what a matmul's epilogue does), which is why the step's small
+    bookkeeping kernels show up in its compile time; this splits it by phase.
+
+    Args:
+      log: the process's stderr.
+
+    Returns:
+      ``hlo_passes_s``, ``emit_s``, ``llvm_s`` and ``llvm_modules`` of the program whose
+      ``Compiling [...] using JIT`` took longest; empty when the log has none (another
+      backend, or a JAX whose XLA logs otherwise).
+    """
+    lines = log.splitlines()
+    best: dict[str, float] = {}
+    best_s = -1.0
+    for i, line in enumerate(lines):
+        if "] Compiling: " not in line or _stamp(line) is None:
+            continue
+        name = line.split("] Compiling: ", 1)[1].strip()
+        passes = next(
+            (ln for ln in reversed(lines[max(0, i - 3) : i]) if f"HLO passes on [{name}]" in ln),
+            "",
+        )
+        verified, scheduled, done = [], None, None
+        for ln in lines[i + 1 :]:
+            if "HLO passes after scheduling" in ln and scheduled is None:
+                scheduled = _stamp(ln)
+            elif "Running LLVM verifier" in ln:
+                verified.append(_stamp(ln))
+            elif "Compilation finished" in ln:
+                done = _stamp(ln)
+                break
+        m = _US.search(passes)
+        if None in (scheduled, done, m) or not verified or None in verified:
+            continue
+        total = done - _stamp(line)
+        if total > best_s:
+            best_s = total
+            best = {
+                "hlo_passes_s": int(m[1]) / 1e6,
+                "emit_s": verified[-1] - _stamp(line),
+                "llvm_s": done - verified[-1],
+                "llvm_modules": float(len(verified)),
+            }
+    return best

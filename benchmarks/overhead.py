@@ -53,6 +53,11 @@ step's own compile time moves by ±25% between single runs on this machine.
 splits what nan2safe adds to the plain step's compile: the step machinery (guard - plain), the
 sites without probes (noprobe - guard), the probes (nan2safe - noprobe); in seconds and kernels.
 The guard arm's plain model is a Python loop of layers with or without ``--scan-layers``.
+``--compile --phases`` also splits each arm's compile by XLA's own phases, read from the log
+its CPU compiler writes when asked (``measure.compile_phases``): the HLO passes, emitting the
+kernels and LLVM compiling them, and the number of LLVM modules (about one per distinct
+kernel XLA generates itself; an identical kernel is emitted once, a library call such as an
+XNNPACK fusion is none). CPU only; the medians of the runs go in the arm's ``phases``.
 ``--compile --restart`` runs each arm (plain, nan2safe, general) twice per repeat against one
 fresh persistent compilation cache: the first child compiles and writes the program, the second
 finds it there — what a restarted run waits for (``Trainer`` keeps its cache in
@@ -79,7 +84,8 @@ the N devices are simulated: the script re-executes itself with
     python benchmarks/overhead.py [--rounds 5] [--steps 10] [--chunks 1] [--json PATH]
                                   [--dtype float32] [--donate] [--devices N]
                                   [--sharding dp|fsdp|zero3] [--batch 8] [--ablation]
-                                  [--compile [--restart]] [--scan-layers] [--layers 4]
+                                  [--compile [--restart] [--phases]] [--scan-layers]
+                                  [--layers 4]
                                   [--d-model 256]
                                   [--heads 4] [--seq 128] [--rss-cap-gb 5]
     python benchmarks/overhead.py --processes 2   # N jax.distributed processes vs 1 process
@@ -112,7 +118,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from measure import interleaved_rounds, paired_ratio, program_size, ratio_text  # noqa: E402
+from measure import (  # noqa: E402
+    PHASE_LOG_ENV,
+    compile_phases,
+    interleaved_rounds,
+    paired_ratio,
+    program_size,
+    ratio_text,
+)
 
 import nan2safe_jax as nan2safe  # noqa: E402
 from examples.transformer import Transformer, TransformerConfig, lm_loss, make_batch  # noqa: E402
@@ -399,6 +412,7 @@ def _compile_table(rec: dict) -> list[str]:
         if len(r.get("compile_s_runs", ())) > 1:
             line += "   compile runs " + " ".join(f"{t:.1f}" for t in r["compile_s_runs"])
         lines.append(line)
+    lines += _phase_lines(rec["arms"])
     if rec.get("ratio") is not None:
         lines.append(
             f"compile ratio nan2safe / plain: {rec['ratio']:.2f}x (target <= {COMPILE_TARGET})"
@@ -438,6 +452,20 @@ def _compile_table(rec: dict) -> list[str]:
                 step = "sites and the layer scan"  # the guard arm's plain model is unrolled
             parts.append(f"{step} ({after} - {before}) {d['compile_s']:+.1f} s{kern}")
         lines.append("compile added by: " + "; ".join(parts))
+    return lines
+
+
+def _phase_lines(arms: dict) -> list[str]:
+    """``--phases``: each arm's compile by XLA's phases (medians), if the record has them."""
+    have = {k: r["phases"] for k, r in arms.items() if r.get("phases")}
+    if not have:
+        return []
+    lines = ["XLA's phases (median s): HLO passes / emitting kernels / LLVM, and LLVM modules"]
+    for k, p in have.items():
+        lines.append(
+            f"  {k:<10} {p['hlo_passes_s']:.2f} / {p['emit_s']:.2f} / {p['llvm_s']:.2f}, "
+            f"{p['llvm_modules']:.0f} modules"
+        )
     return lines
 
 
@@ -506,11 +534,17 @@ def _compile_child(args) -> None:
 
 
 def _run_child(
-    argv: list[str], arm: str, cap_gb: float, timeout_s: float, cache_dir: str | None = None
+    argv: list[str],
+    arm: str,
+    cap_gb: float,
+    timeout_s: float,
+    cache_dir: str | None = None,
+    phases: bool = False,
 ) -> dict:
     """Runs ``--compile-child arm`` in a subprocess; its peak RSS from ``os.wait4``; killed
     past ``cap_gb`` of RSS or ``timeout_s``. The persistent compilation cache is off, or at
-    ``cache_dir`` (every program written, however fast it compiled)."""
+    ``cache_dir`` (every program written, however fast it compiled). ``phases``: XLA logs its
+    compile to a file and the record gets ``phases`` (``measure.compile_phases``)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--compile-child", arm]
     env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")
     if cache_dir is not None:
@@ -519,7 +553,11 @@ def _run_child(
             JAX_COMPILATION_CACHE_DIR=cache_dir,
             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         )
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    log = tempfile.TemporaryFile() if phases else None
+    if phases:
+        env |= PHASE_LOG_ENV
+    stderr = log if phases else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, env=env)
     killed: list[str] = []
 
     def watch():
@@ -545,10 +583,16 @@ def _run_child(
     proc.returncode = os.waitstatus_to_exitcode(status)
     watcher.join()
     rss_gb = usage.ru_maxrss / 2**20  # KiB on Linux
+    split = {}
+    if log is not None:
+        log.seek(0)
+        split = compile_phases(log.read().decode(errors="replace"))
+        log.close()
     line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         return {"error": killed[0] if killed else f"exit {proc.returncode}", "rss_gb": rss_gb}
-    return {**json.loads(line[len("RESULT ") :]), "rss_gb": rss_gb}
+    rec = {**json.loads(line[len("RESULT ") :]), "rss_gb": rss_gb}
+    return {**rec, "phases": split} if split else rec
 
 
 def _compile_main(args, argv) -> dict:
@@ -563,7 +607,9 @@ def _compile_main(args, argv) -> dict:
     runs: dict[str, list[dict]] = {a: [] for a in names}
     for _ in range(args.repeats):  # arms interleaved, so a slow spell hits all of them
         for a in names:
-            runs[a].append(_run_child(argv, a, args.rss_cap_gb, args.child_timeout))
+            runs[a].append(
+                _run_child(argv, a, args.rss_cap_gb, args.child_timeout, phases=args.phases)
+            )
     arms = {a: _median_run(r) for a, r in runs.items()}
     ratio = lambda a: (  # noqa: E731
         arms[a]["compile_s"] / arms["plain"]["compile_s"]
@@ -703,6 +749,9 @@ def _median_run(runs: list[dict]) -> dict:
     rec |= {f"{k}_runs": [r[k] for r in ok] for k in ("lower_s", "compile_s")}
     rec["rss_gb"] = max(r["rss_gb"] for r in runs)
     rec |= {k: ok[0][k] for k in SIZE_KEYS if k in ok[0]}  # the same program every run
+    split = [r["phases"] for r in ok if "phases" in r]
+    if split:
+        rec["phases"] = {k: statistics.median(p[k] for p in split) for k in split[0]}
     if len(ok) < len(runs):
         rec["failed_runs"] = [r["error"] for r in runs if "compile_s" not in r]
     return rec
@@ -736,6 +785,11 @@ def main(argv=None):
         "--donate", action="store_true", help="every arm's step donates its state (in place)"
     )
     ap.add_argument("--compile", action="store_true", help="time lower + compile per arm")
+    ap.add_argument(
+        "--phases",
+        action="store_true",
+        help="--compile: split each arm's compile by XLA's phases (CPU: its own log)",
+    )
     ap.add_argument("--rss-cap-gb", type=float, default=5.0)
     ap.add_argument("--repeats", type=int, default=1, help="--compile: runs per arm (median)")
     ap.add_argument(

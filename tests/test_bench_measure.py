@@ -168,3 +168,51 @@ def test_interleaved_rounds_visits_every_arm_once_per_chunk_in_shuffled_orders(m
 def test_interleaved_rounds_needs_a_round_and_a_chunk(measure, rounds, chunks):
     with pytest.raises(ValueError, match="rounds=.* and chunks="):
         measure.interleaved_rounds({"a": lambda: 1.0}, rounds=rounds, chunks=chunks)
+
+
+def _phase_log(name, t0, passes_us, modules, emit_s, llvm_s):
+    """XLA's CPU compile log of one program, as ``PHASE_LOG_ENV`` makes it write one."""
+    stamp = lambda t: f"I1204 16:{int(t // 60):02d}:{t % 60:09.6f}   1 x.cc:1] "  # noqa: E731
+    lines = [
+        stamp(t0 - 0.1) + f"Running HLO passes on [{name}] for CPU time: 1 ms ({passes_us} us)",
+        stamp(t0) + f"Compiling: {name}",
+        stamp(t0 + 0.01) + "Running HLO pass pipeline on module x: HLO passes after scheduling",
+    ]
+    for i in range(modules):
+        t = t0 + emit_s * (i + 1) / modules
+        lines.append(stamp(t) + "CpuCompiler - Running LLVM verifier time: 9 us (9 us)")
+    lines.append(stamp(t0 + emit_s + llvm_s) + "Compilation finished")
+    return "\n".join(lines)
+
+
+def test_compile_phases_splits_the_largest_compile_of_xlas_log(measure):
+    small = _phase_log("jit_broadcast", 10.0, 900, 1, 0.01, 0.02)
+    large = _phase_log("jit_train_step", 20.0, 340_000, 168, 0.7, 0.9)
+    got = measure.compile_phases("noise\n" + small + "\n" + large + "\nW1204 later\n")
+    assert got["llvm_modules"] == 168 and got["hlo_passes_s"] == pytest.approx(0.34)
+    assert got["emit_s"] == pytest.approx(0.7) and got["llvm_s"] == pytest.approx(0.9)
+    assert measure.compile_phases(small)["llvm_modules"] == 1
+    assert measure.compile_phases("no XLA log here") == {}
+
+
+def test_compile_phases_reads_this_jaxs_own_log(measure, tmp_path):
+    """The log format is XLA's, not ours: read a real one (a child compiles two programs)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import jax, jax.numpy as jnp\n"
+        "x = jnp.ones((64, 64))\n"
+        "f = jax.jit(lambda x: [jnp.sum(jnp.sin(x @ x) * i) for i in range(8)])\n"
+        "jax.block_until_ready(f(x))\n"
+    )
+    env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false", **measure.PHASE_LOG_ENV)
+    if jax.default_backend() != "cpu":
+        pytest.skip("XLA's CPU compiler writes this log")
+    log = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stderr
+    got = measure.compile_phases(log)
+    assert got["llvm_modules"] >= 2, got
+    assert all(got[k] >= 0 for k in ("hlo_passes_s", "emit_s", "llvm_s")), got

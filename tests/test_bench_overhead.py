@@ -223,3 +223,20 @@ def test_donate_makes_each_arm_step_in_place(bench, arm):
         kept[donate] = (leaf.is_deleted(), losses)
     assert kept[False][0] is False and kept[True][0] is True
     assert kept[False][1] == kept[True][1]  # the same steps either way
+
+
+def test_phases_of_each_run_give_the_arm_their_medians_and_a_table_line(bench):
+    split = lambda s, n: {"hlo_passes_s": s, "emit_s": 2 * s, "llvm_s": 3 * s, "llvm_modules": n}  # noqa: E731
+    runs = [
+        {"lower_s": 1.0, "compile_s": t, "rss_gb": 0.5, "phases": split(t / 10, n)}
+        for t, n in ((2.0, 168), (1.0, 168), (3.0, 168))
+    ]
+    rec = bench._median_run(runs)
+    assert rec["phases"] == split(0.2, 168)
+    assert (
+        bench._median_run([{k: v for k, v in runs[0].items() if k != "phases"}]).get("phases")
+        is None
+    )
+    lines = bench._phase_lines({"plain": rec, "guard": {"error": "killed", "rss_gb": 9.0}})
+    assert lines[1] == "  plain      0.20 / 0.40 / 0.60, 168 modules" and len(lines) == 2
+    assert bench._phase_lines({"plain": {"compile_s": 1.0}}) == []
