@@ -40,6 +40,9 @@ before each dispatch (the plain model has no sites, so its two programs are the 
 Each round is timed on the wall clock and on the process's CPU clock (``time.process_time``:
 the work done, less sensitive to other jobs on a shared machine); both ratios are reported.
 
+``--host N`` also times N calls of each arm's step from the call to its return, the step
+before it finished (``host_times``): the host's share of a step, apart from the device's.
+
 ``--compile`` times ``jax.jit(step).lower(...)`` and ``.compile()`` of each arm instead: plain,
 nan2safe (the FAST-only program: what the first step waits for) and general (the general
 program, which a run compiles in a background thread after its first step), each
@@ -81,7 +84,7 @@ shardings. On CPU
 the N devices are simulated: the script re-executes itself with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (it must be set before JAX starts).
 
-    python benchmarks/overhead.py [--rounds 5] [--steps 10] [--chunks 1] [--json PATH]
+    python benchmarks/overhead.py [--rounds 5] [--steps 10] [--chunks 1] [--host N] [--json PATH]
                                   [--dtype float32] [--donate] [--devices N]
                                   [--sharding dp|fsdp|zero3] [--batch 8] [--ablation]
                                   [--compile [--restart] [--phases]] [--scan-layers]
@@ -309,11 +312,46 @@ def time_steps(run, batches, steps):
     return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
 
+def host_times(arms: dict, batches, calls: int) -> dict[str, list[float]]:
+    """Seconds each arm's step call takes to return, the step before it finished: the host's
+    share of a step (flattening the state, dispatch, building the outputs), measured apart from
+    the device's. Arms interleaved, ``calls`` each.
+
+    On a CPU backend the host and XLA's kernels share the cores, so host time during a step
+    slows the step; on an accelerator it overlaps the device's work, except where the host
+    waits on a result (the two-program step reads one bool per step).
+    """
+    out: dict[str, list[float]] = {k: [] for k in arms}
+    for i in range(calls):
+        for k, run in arms.items():
+            jax.block_until_ready(run(batches[i % len(batches)]))
+            t0 = time.perf_counter()
+            loss = run(batches[(i + 1) % len(batches)])
+            out[k].append(time.perf_counter() - t0)
+            jax.block_until_ready(loss)
+    return out
+
+
+def _host_lines(record: dict) -> list[str]:
+    host = record.get("host_median_s")
+    if not host:
+        return []
+    base = host.get("plain")
+    parts = [
+        f"{k} {v * 1e3:.2f} ms" + (f" ({v / base:.2f}x)" if base else "") for k, v in host.items()
+    ]
+    return [
+        f"host time per step call (median of {record['host_calls']}, the step before it done): "
+        + ", ".join(parts)
+    ]
+
+
 def table(record: dict) -> str:
     """The record of ``main`` (or its JSON) as the printed table."""
     lines = []
     if "times_s" in record:
         lines += _timing_table(record)
+        lines += _host_lines(record)
     for label, rec in record.get("compile", {}).items():
         lines += ["", f"compile time, {label}:"] + _compile_table(rec)
     for label, rec in record.get("restart", {}).items():
@@ -784,6 +822,9 @@ def main(argv=None):
     ap.add_argument(
         "--donate", action="store_true", help="every arm's step donates its state (in place)"
     )
+    ap.add_argument(
+        "--host", type=int, default=0, help="also time N calls' host share per arm (host_times)"
+    )
     ap.add_argument("--compile", action="store_true", help="time lower + compile per arm")
     ap.add_argument(
         "--phases",
@@ -860,6 +901,10 @@ def main(argv=None):
         "programs": programs,
         "command": _command(argv),
     }
+    if args.host:
+        host = host_times(arms, batches, args.host)
+        record["host_median_s"] = {k: statistics.median(v) for k, v in host.items()}
+        record["host_calls"] = args.host
     print(table(record))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

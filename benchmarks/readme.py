@@ -147,6 +147,8 @@ TABLES: dict[str, tuple[str, Callable, Callable]] = {
     "overhead_dp8_sync": ("docs/overhead_dp8_sync.json", _overhead, _overhead_command),
     "overhead_donate": ("docs/overhead_donate.json", _overhead, _overhead_command),
     "overhead_dp8_donate": ("docs/overhead_dp8_donate.json", _overhead, _overhead_command),
+    "overhead_host": ("docs/overhead_host.json", _overhead, _overhead_command),
+    "overhead_dp8_host": ("docs/overhead_dp8_host.json", _overhead, _overhead_command),
     "zoo": ("docs/zoo_quick.json", _zoo, _zoo_command),
     "zoo_lr_cut": ("docs/zoo_lr_cut.json", _zoo, _zoo_command),
     "ops": ("docs/ops.json", _ops, _ops_command),

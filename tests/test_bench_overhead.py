@@ -240,3 +240,33 @@ def test_phases_of_each_run_give_the_arm_their_medians_and_a_table_line(bench):
     lines = bench._phase_lines({"plain": rec, "guard": {"error": "killed", "rss_gb": 9.0}})
     assert lines[1] == "  plain      0.20 / 0.40 / 0.60, 168 modules" and len(lines) == 2
     assert bench._phase_lines({"plain": {"compile_s": 1.0}}) == []
+
+
+def test_host_times_time_each_call_to_its_return_interleaved(bench):
+    """A call's host share: a step that returns at once and one that works 20 ms on the host
+    before it returns; each arm called ``calls`` times, arms alternating."""
+    import time
+
+    import jax.numpy as jnp
+
+    order = []
+
+    def arm(name, host_s):
+        def run(batch):
+            order.append(name)
+            time.sleep(host_s)
+            return jnp.asarray(batch)
+
+        return run
+
+    arms = {"plain": arm("plain", 0.0), "slow": arm("slow", 0.02)}
+    got = bench.host_times(arms, [1.0, 2.0], calls=3)
+    assert [len(v) for v in got.values()] == [3, 3]
+    assert min(got["slow"]) >= 0.02 > max(got["plain"])
+    assert order == ["plain", "plain", "slow", "slow"] * 3  # the wait, then the timed call
+    rec = {"host_median_s": {"plain": 0.004, "slow": 0.008}, "host_calls": 3}
+    assert bench._host_lines(rec) == [
+        "host time per step call (median of 3, the step before it done): "
+        "plain 4.00 ms (1.00x), slow 8.00 ms (2.00x)"
+    ]
+    assert bench._host_lines({}) == []
