@@ -591,10 +591,11 @@ def _run_child(
             JAX_COMPILATION_CACHE_DIR=cache_dir,
             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         )
-    log = tempfile.TemporaryFile() if phases else None
+    log = None
     if phases:
+        log = tempfile.TemporaryFile()  # not a pipe: XLA's log would fill it while we read stdout
         env |= PHASE_LOG_ENV
-    stderr = log if phases else subprocess.DEVNULL
+    stderr = subprocess.DEVNULL if log is None else log
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, env=env)
     killed: list[str] = []
 
