@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from nan2safe_jax.gear import SiteValues
 from nan2safe_jax.numerics import _inexact, _is_key, tree_is_finite
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,35 @@ def _from_saved(saved: dict, template):
             value = jax.device_put(jnp.asarray(value, like.dtype), like.sharding)
         new.append(value)
     return jax.tree_util.tree_unflatten(treedef, new)
+
+
+_PER_SITE = ("sites", "safe_left", "safe_entries")
+
+
+def _per_site_dicts(state):
+    """``state`` with its gears' per-site fields as dicts of one array per site, the layout
+    checkpoints were written in before ``gear.SiteValues`` (None when ``state`` has no such
+    fields): an older checkpoint restores into it, then ``_packed`` packs it."""
+    gs = getattr(state, "gear", None)
+    if not all(isinstance(getattr(gs, f, None), SiteValues) for f in _PER_SITE):
+        return None
+    unpacked = {f: {k: jnp.asarray(v) for k, v in getattr(gs, f).items()} for f in _PER_SITE}
+    return state.replace(gear=gs.replace(**unpacked))
+
+
+def _packed(state, like):
+    """``state`` (restored in ``_per_site_dicts``' layout) with its per-site fields packed in
+    ``like``'s site order and placement."""
+    fields = {}
+    for f in _PER_SITE:
+        ref = getattr(like.gear, f)
+        flat = jnp.concatenate(
+            [jnp.ravel(jnp.asarray(getattr(state.gear, f)[k], jnp.int32)) for k in ref]
+            or [jnp.zeros([0], jnp.int32)]
+        )
+        sharding = getattr(ref.flat, "sharding", None)
+        fields[f] = ref.with_flat(flat if sharding is None else jax.device_put(flat, sharding))
+    return state.replace(gear=state.gear.replace(**fields))
 
 
 def _probe_names(state) -> tuple[str, ...] | None:
@@ -171,8 +201,17 @@ class Checkpointer:
         like = template
         if saved_names is not None and names is not None and saved_names != names:
             like = template.with_probes(saved_names)
-        saved = self._manager.restore(int(step), args=ocp.args.StandardRestore(_abstract(like)))
-        state = _from_saved(saved, like)
+        try:
+            saved = self._manager.restore(int(step), args=ocp.args.StandardRestore(_abstract(like)))
+            state = _from_saved(saved, like)
+        except ValueError:
+            legacy = _per_site_dicts(like)
+            if legacy is None:
+                raise
+            saved = self._manager.restore(
+                int(step), args=ocp.args.StandardRestore(_abstract(legacy))
+            )
+            state = _packed(_from_saved(saved, legacy), like)
         return state if like is template else state.with_probes(names)
 
     def _saved_names(self, step: int) -> tuple[str, ...] | None:

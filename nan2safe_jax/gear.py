@@ -14,6 +14,7 @@ site's gear variable: a scalar for an ordinary module, ``[num_layers]`` for a mo
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Mapping
 
 import jax
@@ -34,17 +35,94 @@ class Gear(enum.IntEnum):
     SAFE = 2
 
 
+@functools.lru_cache(maxsize=64)
+def _offsets(layout: tuple[tuple[str, tuple[int, ...]], ...]) -> dict[str, tuple[int, int]]:
+    """``name -> (start, stop)`` of each site's values in a ``SiteValues`` vector."""
+    out, at = {}, 0
+    for name, shape in layout:
+        size = int(np.prod(shape, dtype=np.int64))
+        out[name] = (at, at + size)
+        at += size
+    return out
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class SiteValues(Mapping):
+    """Every site's int32 values (its gear, SAFE stay or SAFE entries) held as one vector.
+
+    A read-only mapping ``site name -> i32[*site_shape]``, stored as the sites' values
+    raveled and concatenated in one ``i32[total]``. As a dict of one array per site, each of
+    ``GearState``'s three per-site fields was 41 leaves on the demo model: 123 arrays into
+    and out of every step, each a buffer the host hands over and takes back (and, unchanged,
+    a copy on the device), ~1-2 ms of host time per step for nothing; the policy already
+    worked on the sites as one vector (``decide``). One pytree leaf (``flat``); the names
+    and shapes are static, so it passes through ``jit`` and ``jax.device_get`` (a read is
+    then a NumPy slice).
+
+    Args:
+      layout: ``((name, shape), ...)`` in the vector's order.
+      flat: ``i32[sum of the shapes' sizes]``.
+    """
+
+    def __init__(self, layout: tuple[tuple[str, tuple[int, ...]], ...], flat: jax.typing.ArrayLike):
+        self.layout = layout
+        self.flat = flat
+
+    @classmethod
+    def of(cls, values: Mapping[str, jax.typing.ArrayLike]) -> SiteValues:
+        """``values`` (``name -> array``) packed in their order, as int32."""
+        if isinstance(values, SiteValues):
+            return values
+        layout = tuple((k, tuple(int(d) for d in np.shape(v))) for k, v in values.items())
+        return cls(layout, _flat(values))
+
+    def with_flat(self, flat: jax.typing.ArrayLike) -> SiteValues:
+        """The same sites with new values (``flat``, laid out as this one's)."""
+        return SiteValues(self.layout, flat)
+
+    def set(self, name: str, value: jax.typing.ArrayLike) -> SiteValues:
+        """A copy with site ``name``'s values replaced by ``value`` (broadcast to its shape)."""
+        start, stop = _offsets(self.layout)[name]
+        shape = dict(self.layout)[name]
+        v = jnp.ravel(jnp.broadcast_to(jnp.asarray(value, jnp.int32), shape))
+        return self.with_flat(jnp.asarray(self.flat).at[start:stop].set(v))
+
+    def __getitem__(self, name: str):
+        start, stop = _offsets(self.layout)[name]
+        return self.flat[start:stop].reshape(dict(self.layout)[name])
+
+    def __iter__(self):
+        return (name for name, _ in self.layout)
+
+    def __len__(self) -> int:
+        return len(self.layout)
+
+    def __contains__(self, name) -> bool:
+        return name in _offsets(self.layout)
+
+    def __repr__(self) -> str:
+        return f"SiteValues({dict(self.items())!r})"
+
+    def tree_flatten_with_keys(self):
+        return ((jax.tree_util.GetAttrKey("flat"), self.flat),), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        return cls(layout, children[0])
+
+
 class GearState(struct.PyTreeNode):
     """Global and per-site gears, SAFE dwell counters, calm counter and event counters.
 
-    Every field is an int32 array; the dict fields are keyed by site name (module path).
+    Every field is an int32 array; the per-site fields are ``SiteValues`` (a mapping from
+    site name, its module path, to the site's values, held as one vector).
     """
 
     level: jax.Array  # i32[] global gear, applies to every site
     level_safe_left: jax.Array  # i32[] steps left in a global SAFE stay
-    sites: dict[str, jax.Array]  # i32[*site_shape] each site's own gear
-    safe_left: dict[str, jax.Array]  # i32[*site_shape] steps left in SAFE
-    safe_entries: dict[str, jax.Array]  # i32[*site_shape] SAFE entries so far (back-off)
+    sites: SiteValues  # name -> i32[*site_shape] each site's own gear
+    safe_left: SiteValues  # name -> i32[*site_shape] steps left in SAFE
+    safe_entries: SiteValues  # name -> i32[*site_shape] SAFE entries so far (back-off)
     calm: jax.Array  # i32[] consecutive calm, finite steps run in STABLE (nothing in SAFE)
     downshifts: jax.Array  # i32[] FAST -> STABLE transitions so far
     recoveries: jax.Array  # i32[] returns to FAST so far
@@ -56,15 +134,16 @@ class GearState(struct.PyTreeNode):
         Args:
           sites: site name -> shape of its gear (``()`` for one module, ``(L,)`` for a stack).
         """
-        sites = dict(sites or {})
-        zeros = {k: jnp.zeros(tuple(s), jnp.int32) for k, s in sites.items()}
+        layout = tuple((k, tuple(int(d) for d in s)) for k, s in dict(sites or {}).items())
+        size = sum(int(np.prod(s, dtype=np.int64)) for _, s in layout)
+        zeros = lambda: SiteValues(layout, jnp.zeros([size], jnp.int32))  # noqa: E731
         z = jnp.zeros([], jnp.int32)
         return cls(
             level=z,
             level_safe_left=z,
-            sites=zeros,
-            safe_left=dict(zeros),
-            safe_entries=dict(zeros),
+            sites=zeros(),
+            safe_left=zeros(),
+            safe_entries=zeros(),
             calm=z,
             downshifts=z,
             recoveries=z,
@@ -79,8 +158,8 @@ def known_fast(gs: GearState) -> GearState:
     over the sites (any in SAFE, any below FAST) folds away instead of compiling a reduction
     and a kernel per flag. The counters (SAFE stays, entries, calm, transitions) are kept.
     """
-    fast = lambda v: jnp.zeros(jnp.shape(v), jnp.int32)  # noqa: E731
-    return gs.replace(level=fast(gs.level), sites={k: fast(v) for k, v in gs.sites.items()})
+    sites = gs.sites.with_flat(jnp.zeros(jnp.shape(gs.sites.flat), jnp.int32))
+    return gs.replace(level=jnp.zeros([], jnp.int32), sites=sites)
 
 
 def _check_gear(gear) -> int:
@@ -112,19 +191,10 @@ def _flat(tree: Mapping[str, jax.Array]) -> jax.Array:
     is then one reduction, not a chain of scalar ``or``s that XLA copies into every site's
     output (on a model with ~90 sites that copy was most of the step's compile time).
     """
+    if isinstance(tree, SiteValues):
+        return jnp.asarray(tree.flat, jnp.int32)
     parts = [jnp.ravel(jnp.asarray(v, jnp.int32)) for v in tree.values()]
     return jnp.concatenate(parts) if parts else jnp.zeros([0], jnp.int32)
-
-
-def _unflat(flat: jax.Array, like: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """``_flat``'s inverse: ``flat`` split into arrays shaped like ``like``'s values."""
-    out, at = {}, 0
-    for name, v in like.items():
-        shape = jnp.shape(v)
-        size = int(np.prod(shape, dtype=np.int64))
-        out[name] = flat[at : at + size].reshape(shape).astype(jnp.int32)
-        at += size
-    return out
 
 
 def _any_above(level: jax.Array, flat_sites: jax.Array, gear: Gear) -> jax.Array:
@@ -188,9 +258,9 @@ def set_site(
     else:
         left = jnp.where(sel, 0, gs.safe_left[name])
     return gs.replace(
-        sites={**gs.sites, name: jnp.where(sel, g, cur).astype(jnp.int32)},
-        safe_left={**gs.safe_left, name: left.astype(jnp.int32)},
-        safe_entries={**gs.safe_entries, name: entries.astype(jnp.int32)},
+        sites=gs.sites.set(name, jnp.where(sel, g, cur)),
+        safe_left=gs.safe_left.set(name, left),
+        safe_entries=gs.safe_entries.set(name, entries),
         calm=gs.calm * 0,
     )
 
@@ -236,6 +306,8 @@ def decide(
     trigger = (risk >= cfg.trigger_risk) | bad
     if sites_fast:
         gs = known_fast(gs)
+    if gs.safe_left.layout != gs.sites.layout:
+        raise ValueError("GearState: sites and safe_left must list the same sites in one order")
     downshift = trigger & (gs.level == Gear.FAST)
     g = _flat(gs.sites)
     ran_in_stable = _any_above(gs.level, g, Gear.FAST) & ~_any_above(gs.level, g, Gear.STABLE)
@@ -246,7 +318,7 @@ def decide(
     lvl_left = jnp.where(lvl_safe, gs.level_safe_left - 1, 0)
     level = jnp.where(lvl_safe & (lvl_left <= 0), Gear.STABLE, level)
     in_safe = g == Gear.SAFE
-    left = jnp.where(in_safe, _flat({k: gs.safe_left[k] for k in gs.sites}) - 1, 0)
+    left = jnp.where(in_safe, _flat(gs.safe_left) - 1, 0)
     g = jnp.where(in_safe & (left <= 0), Gear.STABLE, g)
 
     calm_count = jnp.where(calm & ~trigger & ran_in_stable, _inc(gs.calm), 0)
@@ -257,10 +329,10 @@ def decide(
     g = jnp.where(recover, Gear.FAST, g)
     calm_count = jnp.where(recover, 0, calm_count)
     if sites_fast:
-        sites, safe_left = gs.sites, {k: jnp.zeros_like(v) for k, v in gs.safe_left.items()}
+        sites, safe_left = gs.sites, gs.safe_left.with_flat(jnp.zeros_like(g))
     else:
-        sites = _unflat(g, gs.sites)
-        safe_left = _unflat(jnp.maximum(left, 0), gs.sites)
+        sites = gs.sites.with_flat(g.astype(jnp.int32))
+        safe_left = gs.safe_left.with_flat(jnp.maximum(left, 0).astype(jnp.int32))
 
     i32 = lambda x: jnp.asarray(x, jnp.int32)
     return gs.replace(

@@ -72,10 +72,12 @@ def all_fast(gs: gear_lib.GearState) -> bool:
 def fast_sites(gs: gear_lib.GearState) -> frozenset[str] | None:
     """The sites whose gear is FAST (every layer of a stacked one), read on the host; None when
     the level is not FAST (then every site's effective gear is above FAST)."""
-    level, sites = jax.device_get((gs.level, dict(gs.sites)))
+    level, sites = jax.device_get((gs.level, gear_lib.SiteValues.of(gs.sites)))
     if np.any(np.asarray(level) > int(gear_lib.Gear.FAST)):
         return None
     fast = int(gear_lib.Gear.FAST)
+    if not np.any(np.asarray(sites.flat) > fast):  # the usual case: one read of one vector
+        return frozenset(sites)
     return frozenset(k for k, g in sites.items() if not np.any(np.asarray(g) > fast))
 
 

@@ -453,10 +453,11 @@ def train_step(
         "calm": risk.calm,
         "probes": probes,
         "probe_risk": probe_lib.NamedValues(det.names, risk.per_probe),
-        # With every gear FAST (the FAST-only program) a site's effective gear is its own.
-        "site_gears": dict(gs.sites)
+        # Every site's effective gear as one vector (a ``gear.SiteValues``, one output, not
+        # one per site); with every gear FAST (the FAST-only program) it is its own.
+        "site_gears": gs.sites
         if fast_only
-        else {k: gear_lib.effective(gs, k) for k in gs.sites},
+        else gs.sites.with_flat(jnp.maximum(gs.level, gs.sites.flat).astype(jnp.int32)),
         # Read by ``make_train_step`` to pick the next step's program without reading the gears.
         "next_all_fast": ~gear_lib.any_below_fast(new_gs),
     }

@@ -1,6 +1,7 @@
 """Checkpointer: finite states only; newest complete, finite checkpoint wins on restore."""
 
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,27 @@ def test_round_trip_keeps_params_gears_and_baselines(tmp_path, trained):
     fresh = TrainState.create(Net(rngs=nnx.Rngs(1)), optax.adam(1e-3))
     restored, step = ck.restore_latest(fresh)
     assert step == 3
+    _equal(restored, trained)
+    assert int(restored.gear.sites["blocks.1"]) == Gear.SAFE
+
+
+def test_a_checkpoint_with_one_array_per_site_restores_into_packed_gears(tmp_path, trained):
+    """Checkpoints written before ``gear.SiteValues`` held the gears' per-site fields as one
+    array per site (dicts, flattened in sorted name order): they restore, gears and all, into
+    today's state instead of being skipped as corrupt."""
+    from nan2safe_jax.checkpoint import _per_site_dicts
+
+    legacy = _per_site_dicts(trained)
+    assert len(jax.tree_util.tree_leaves(legacy)) > len(jax.tree_util.tree_leaves(trained))
+    ck = Checkpointer(tmp_path / "ck")
+    assert ck.save(3, legacy)
+    fresh = TrainState.create(Net(rngs=nnx.Rngs(1)), optax.adam(1e-3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not skipped with a warning
+        restored, step = ck.restore_latest(fresh)
+    assert step == 3
+    assert isinstance(restored.gear.sites, G.SiteValues)
+    assert list(restored.gear.sites) == list(trained.gear.sites)
     _equal(restored, trained)
     assert int(restored.gear.sites["blocks.1"]) == Gear.SAFE
 

@@ -116,6 +116,40 @@ def test_gear_state_round_trips_through_jit():
         np.testing.assert_array_equal(a, b)
 
 
+def test_site_values_hold_every_site_in_one_vector_against_a_dict():
+    """``SiteValues`` reads and writes as the dict of one array per site it replaces (the
+    reference), with one pytree leaf, named by its path, through ``jit`` and ``device_get``."""
+    rng = np.random.default_rng(0)
+    ref = {"a": rng.integers(0, 3, ()), "stack": rng.integers(0, 3, (3,)), "b": np.int32(2)}
+    ref = {k: np.asarray(v, np.int32) for k, v in ref.items()}
+    sv = G.SiteValues.of({k: jnp.asarray(v) for k, v in ref.items()})
+    assert list(sv) == list(ref) and len(sv) == 3 and "stack" in sv and "c" not in sv
+    for k, v in ref.items():
+        np.testing.assert_array_equal(np.asarray(sv[k]), v)
+        assert sv[k].shape == v.shape and sv[k].dtype == jnp.int32
+    leaves = jax.tree_util.tree_leaves_with_path(sv)
+    assert len(leaves) == 1 and jax.tree_util.keystr(leaves[0][0]) == ".flat"
+    ref["stack"] = np.asarray([2, 0, 1], np.int32)
+    sv = jax.jit(lambda s: s.set("stack", jnp.asarray([2, 0, 1])))(sv)
+    host = jax.device_get(sv)
+    assert isinstance(host.flat, np.ndarray)
+    for k, v in ref.items():
+        np.testing.assert_array_equal(host[k], v)
+    np.testing.assert_array_equal(np.asarray(sv.set("b", 0)["b"]), 0)  # scalar broadcast
+    assert G.SiteValues.of(sv) is sv
+
+
+def test_gear_state_keeps_each_per_site_field_in_one_leaf():
+    """The per-site fields are one leaf each, whatever the number of sites: the step hands
+    over and copies 3 arrays for them, not 3 per site."""
+    gs = GearState.create({f"site{i}": () if i % 2 else (2,) for i in range(40)})
+    assert len(jax.tree_util.tree_leaves(gs)) == 8
+    assert gs.sites.flat.shape == (60,)
+    other = GearState.create({"x": ()})
+    with pytest.raises(ValueError, match="same sites"):
+        G.decide(gs.replace(safe_left=other.safe_left), 0.0, False, CFG)
+
+
 def test_counters_saturate():
     gs = _state().replace(downshifts=jnp.int32(G.MAX_I32))
     gs = G.decide(gs, 1.0, False, CFG)  # a downshift FAST -> STABLE counts one more
@@ -207,8 +241,8 @@ def test_decide_matches_a_site_by_site_reference(seed):
         gs = GearState.create(shapes).replace(
             level=jnp.asarray(rng.choice(3, p=[0.6, 0.3, 0.1]), jnp.int32),
             level_safe_left=jnp.asarray(rng.integers(0, 3), jnp.int32),
-            sites={k: jnp.asarray(v, jnp.int32) for k, v in gears.items()},
-            safe_left={k: jnp.asarray(v, jnp.int32) for k, v in left.items()},
+            sites=G.SiteValues.of({k: jnp.asarray(v, jnp.int32) for k, v in gears.items()}),
+            safe_left=G.SiteValues.of({k: jnp.asarray(v, jnp.int32) for k, v in left.items()}),
             calm=jnp.asarray(rng.integers(0, CFG.recovery_window + 1), jnp.int32),
         )
         risk, nonfinite, calm = (
@@ -267,8 +301,7 @@ def test_known_fast_holds_every_gear_fast_as_a_constant_and_keeps_the_counters()
         assert known.sites[k].shape == v.shape and known.sites[k].dtype == jnp.int32
         assert not np.any(np.asarray(known.sites[k]))
     for field in ("safe_left", "safe_entries"):
-        for k in gs.sites:
-            assert getattr(known, field)[k] is getattr(gs, field)[k]
+        assert getattr(known, field) is getattr(gs, field)
     assert known.downshifts is gs.downshifts and known.calm is gs.calm
 
     # Traced, every flag over the known gears is a constant: nothing it computes reads the
