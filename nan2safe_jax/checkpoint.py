@@ -23,9 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+from flax import nnx
 
 from nan2safe_jax.gear import SiteValues
 from nan2safe_jax.numerics import _inexact, _is_key, tree_is_finite
+from nan2safe_jax.site import SITE_VARIABLES
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +124,50 @@ def _packed(state, like):
     return state.replace(gear=state.gear.replace(**fields))
 
 
+def _with_site_variables(state):
+    """``state`` with the model's site variables (``site.SITE_VARIABLES``) back in ``rest``,
+    the layout checkpoints were written in before ``site.SiteTemplate`` (None when ``state``
+    has no template)."""
+    if getattr(state, "site_template", None) is None:
+        return None
+    return state.replace(rest=nnx.split(state.model, nnx.Param, ...)[2])
+
+
+def _without_site_variables(state, like):
+    """``state`` (restored in ``_with_site_variables``' layout) with ``like``'s ``rest``
+    layout: the site variables dropped (the step rebuilds them)."""
+    model = nnx.merge(like.graphdef, state.params, state.rest)
+    return state.replace(rest=nnx.split(model, nnx.Param, SITE_VARIABLES, ...)[3])
+
+
+def _layouts(like):
+    """``(layout, back)`` pairs a checkpoint of ``like`` may have been written in: today's,
+    then those of earlier versions; ``back`` turns a state restored in ``layout`` into
+    ``like``'s."""
+    same = lambda st: st  # noqa: E731
+    out = [(like, same)]
+    with_sites = _with_site_variables(like)
+    if with_sites is not None:
+        out.append((with_sites, lambda st: _without_site_variables(st, like)))
+        old = _per_site_dicts(with_sites)
+        if old is not None:
+            out.append((old, lambda st: _without_site_variables(_packed(st, with_sites), like)))
+    return out
+
+
+def _layout_of(shapes, like):
+    """The ``(layout, back)`` of ``_layouts(like)`` whose arrays have exactly ``shapes``
+    (today's when none has, or the shapes are unknown: restoring it then reports the
+    mismatch)."""
+    for layout, back in _layouts(like) if shapes is not None else []:
+        leaves = jax.tree_util.tree_leaves(_abstract(layout))
+        if len(leaves) == len(shapes) and all(
+            tuple(a.shape) == s for a, s in zip(leaves, shapes, strict=True)
+        ):
+            return layout, back
+    return like, lambda st: st
+
+
 def _probe_names(state) -> tuple[str, ...] | None:
     """The detector's probe names of a ``TrainState`` (None for any other tree)."""
     det = getattr(state, "detector", None)
@@ -201,18 +248,18 @@ class Checkpointer:
         like = template
         if saved_names is not None and names is not None and saved_names != names:
             like = template.with_probes(saved_names)
-        try:
-            saved = self._manager.restore(int(step), args=ocp.args.StandardRestore(_abstract(like)))
-            state = _from_saved(saved, like)
-        except ValueError:
-            legacy = _per_site_dicts(like)
-            if legacy is None:
-                raise
-            saved = self._manager.restore(
-                int(step), args=ocp.args.StandardRestore(_abstract(legacy))
-            )
-            state = _packed(_from_saved(saved, legacy), like)
+        layout, back = _layout_of(self._saved_shapes(step), like)
+        saved = self._manager.restore(int(step), args=ocp.args.StandardRestore(_abstract(layout)))
+        state = back(_from_saved(saved, layout))
         return state if like is template else state.with_probes(names)
+
+    def _saved_shapes(self, step: int) -> list[tuple[int, ...]] | None:
+        """The shapes of checkpoint ``step``'s arrays in saved order (None if unreadable)."""
+        try:
+            meta = ocp.StandardCheckpointHandler().metadata(epath.Path(self.path(step)) / "default")
+            return [tuple(meta[k].shape) for k in sorted(meta)]
+        except Exception:  # noqa: BLE001 - no metadata: restore as today's layout, which reports
+            return None
 
     def _saved_names(self, step: int) -> tuple[str, ...] | None:
         path = self._probes / f"{int(step)}.json"

@@ -104,6 +104,48 @@ def iter_sites(model: nnx.Module):
                     break
 
 
+SITE_VARIABLES = (SiteGear, Probe)  # an nnx filter: every site's gear and probe variables
+
+
+class SiteTemplate:
+    """The shapes and dtypes of a model's site variables (``SITE_VARIABLES``), without values.
+
+    A train step rebuilds those variables from it inside the trace (gears from the
+    ``GearState``, probes written by the forward) instead of carrying them in the state: as
+    state they were ~80 arrays on the demo model handed into and out of every step (each a
+    buffer, and an ``nnx.Variable`` rebuilt in Python), the gears unchanged and copied, the
+    probes already returned as metrics. Static: equal templates hash alike, so it can sit in
+    a jitted pytree's static data.
+
+    Args:
+      state: an ``nnx.State`` of site variables (``nnx.split(model, ..., SITE_VARIABLES, ...)``).
+    """
+
+    def __init__(self, state: nnx.State):
+        spec = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
+        self.state = jax.tree_util.tree_map(spec, state)
+        self._key = tuple(
+            (jax.tree_util.keystr(path), s.shape, str(s.dtype))
+            for path, s in jax.tree_util.tree_leaves_with_path(self.state)
+        )
+
+    def zeros(self) -> nnx.State:
+        """The site variables, every value zeros (FAST gears, empty probes)."""
+        return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), self.state)
+
+    def __len__(self) -> int:
+        return len(self._key)
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, SiteTemplate) and self._key == other._key
+
+    def __repr__(self) -> str:
+        return f"SiteTemplate({len(self)} variables)"
+
+
 def name_sites(model: nnx.Module) -> dict[str, tuple[int, ...]]:
     """Names every site of ``model`` by its module path and returns ``{name: gear shape}``.
 

@@ -28,7 +28,15 @@ from nan2safe_jax.detector import DetectorState
 from nan2safe_jax.gear import Gear, GearState
 from nan2safe_jax.ops import dispatch
 from nan2safe_jax.programs import StepPrograms
-from nan2safe_jax.site import Probe, collect_probes, name_sites, path_name, site_gears
+from nan2safe_jax.site import (
+    SITE_VARIABLES,
+    Probe,
+    SiteTemplate,
+    collect_probes,
+    name_sites,
+    path_name,
+    site_gears,
+)
 
 BUILTIN_PROBES = ("loss", "grad_norm", "update_norm")
 OVERFLOW_GRACE = 8  # loss-scale overflows in a row (a 256x back-off) before the first downshift
@@ -39,7 +47,7 @@ class TrainState(struct.PyTreeNode):
 
     graphdef: Any = struct.field(pytree_node=False)
     params: Any  # nnx.State of nnx.Param
-    rest: Any  # nnx.State of every other variable (site gears, probes, RNG, ...)
+    rest: Any  # nnx.State of every other variable but the sites' (RNG, batch statistics, ...)
     opt_state: Any  # guard state (see nan2safe_jax.optax.guard)
     gear: GearState
     detector: DetectorState
@@ -48,6 +56,9 @@ class TrainState(struct.PyTreeNode):
     lr_scale: jax.Array  # f32[] learning-rate multiplier the host sets (loss-spike recovery)
     tx: Any = struct.field(pytree_node=False)
     cfg: Config = struct.field(pytree_node=False)
+    # The site variables (gears, probes) by shape only: the step rebuilds them, gears from
+    # ``gear``; they are not carried (``site.SiteTemplate``).
+    site_template: SiteTemplate = struct.field(pytree_node=False)
 
     @classmethod
     def create(cls, model: nnx.Module, tx, cfg: Config | None = None) -> TrainState:
@@ -73,7 +84,7 @@ class TrainState(struct.PyTreeNode):
                 "the loss and gradient probes",
                 stacklevel=2,
             )
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        graphdef, params, site_vars, rest = nnx.split(model, nnx.Param, SITE_VARIABLES, ...)
         probe_opt = tx.init(params)
         if not guard_lib.is_guarded(probe_opt):
             tx = guard_lib.guard(tx, cfg)
@@ -91,12 +102,14 @@ class TrainState(struct.PyTreeNode):
             lr_scale=jnp.ones([], jnp.float32),
             tx=tx,
             cfg=cfg,
+            site_template=SiteTemplate(site_vars),
         )
 
     @property
     def model(self) -> nnx.Module:
-        """A fresh ``nnx.Module`` holding this state's parameters."""
-        return nnx.merge(self.graphdef, self.params, self.rest)
+        """A fresh ``nnx.Module`` holding this state's parameters; each site's gear variable
+        holds its effective gear, its probes zeros."""
+        return nnx.merge(self.graphdef, self.params, _site_state(self), self.rest)
 
     @property
     def loss_scale(self) -> jax.Array:
@@ -125,18 +138,20 @@ class TrainState(struct.PyTreeNode):
         return self.replace(detector=new)
 
 
-def _with_gears(
+def _site_state(
     state: TrainState, fast_only: bool = False, fast_sites: frozenset[str] | None = None
-):
-    """The non-param state with every site's gear variable set to its effective gear.
+) -> nnx.State:
+    """The model's site variables for a step: every gear variable set to its effective gear,
+    every probe zeros (the forward writes the ones it computes).
 
     ``fast_only``: every gear variable holds ``ops.dispatch.fast_only_gear`` (FAST, known at
     trace time), so each site calls its FAST path directly and traces no gear switch at all.
     ``fast_sites`` (a partial program): those sites' gear variables do, and every other site's
     holds its gear as ``ops.dispatch.switched_gear`` (one plain switch: only the taken path
-    runs). ``state.rest`` itself is left as it is (a copy is merged).
+    runs).
     """
-    model = nnx.merge(state.graphdef, state.params, state.rest, copy=True)
+    site = state.site_template.zeros()
+    model = nnx.merge(state.graphdef, state.params, site, state.rest, copy=True)
     for name, var in site_gears(model).items():
         if fast_only or (fast_sites is not None and name in fast_sites):
             var.set_value(dispatch.fast_only_gear(jnp.shape(var.get_value())))
@@ -144,29 +159,7 @@ def _with_gears(
             eff = gear_lib.effective(state.gear, name)
             eff = jnp.broadcast_to(eff, jnp.shape(var.get_value())).astype(jnp.int32)
             var.set_value(eff if fast_sites is None else dispatch.switched_gear(eff))
-    _, _, rest = nnx.split(model, nnx.Param, ...)
-    return rest
-
-
-def _keep_gears(state: TrainState, rest):
-    """``rest`` with every site's gear variable as it is in ``state.rest``."""
-    model = nnx.merge(state.graphdef, state.params, rest, copy=True)
-    old = site_gears(nnx.merge(state.graphdef, state.params, state.rest, copy=True))
-    for name, var in site_gears(model).items():
-        var.set_value(old[name].get_value())
-    _, _, rest = nnx.split(model, nnx.Param, ...)
-    return rest
-
-
-def _int32_gears(state: TrainState, rest):
-    """``rest`` with every site's gear variable back in int32 (a partial program traced them
-    as ``uint8`` FAST or ``int16`` switched gears): the effective gears, as the general program
-    writes them."""
-    model = nnx.merge(state.graphdef, state.params, rest, copy=True)
-    for var in site_gears(model).values():
-        var.set_value(jnp.asarray(var.get_value()).astype(jnp.int32))
-    _, _, rest = nnx.split(model, nnx.Param, ...)
-    return rest
+    return nnx.split(model, nnx.Param, SITE_VARIABLES, ...)[2]
 
 
 def watched_probes(model: nnx.Module, kinds) -> dict[str, jax.Array]:
@@ -187,8 +180,8 @@ def watched_probes(model: nnx.Module, kinds) -> dict[str, jax.Array]:
     return {k: v for k, v in probes.items() if k.split("[", 1)[0] not in off}
 
 
-def _forward(state: TrainState, rest, params, batch, loss_fn, has_aux: bool = False):
-    model = nnx.merge(state.graphdef, params, rest, copy=True)
+def _forward(state: TrainState, site, params, batch, loss_fn, has_aux: bool = False):
+    model = nnx.merge(state.graphdef, params, site, state.rest, copy=True)
     declared = {path for path, node in nnx.iter_graph(model) if isinstance(node, Probe)}
     with probe_lib.probe_set(state.cfg.probes):
         out = loss_fn(model, batch)
@@ -214,7 +207,7 @@ def _forward(state: TrainState, rest, params, batch, loss_fn, has_aux: bool = Fa
     # Probes sown during the call are new variables: drop them so the state keeps its structure.
     sown = lambda path, node: isinstance(node, Probe) and tuple(path) not in declared
     nnx.pop(model, sown)
-    _, _, new_rest = nnx.split(model, nnx.Param, ...)
+    new_rest = nnx.split(model, nnx.Param, SITE_VARIABLES, ...)[3]
     return loss, probes, new_rest, aux
 
 
@@ -305,23 +298,19 @@ def train_step(
             )
     cfg = state.cfg
     gs = gear_lib.known_fast(state.gear) if fast_only else state.gear
-    rest = _with_gears(state, fast_only, fast_sites)
+    site = _site_state(state, fast_only, fast_sites)
     scale = guard_lib.loss_scale_of(state.opt_state)
     # One reduction over the batch's floating leaves; under sharding it is a global reduction in
     # the one SPMD program, so every process reads the same verdict.
     polluted = ~numerics.all_finite(batch)
 
     def scaled_loss(params):
-        loss, probes, new_rest, aux = _forward(state, rest, params, batch, loss_fn, has_aux)
+        loss, probes, new_rest, aux = _forward(state, site, params, batch, loss_fn, has_aux)
         return loss.astype(jnp.float32) * scale, (loss, probes, new_rest, aux)
 
     (_, (loss, probes, new_rest, aux)), sgrads = jax.value_and_grad(scaled_loss, has_aux=True)(
         state.params
     )
-    if fast_only:  # the gear variables go back to the state's (int32) values
-        new_rest = _keep_gears(state, new_rest)
-    elif fast_sites is not None:
-        new_rest = _int32_gears(state, new_rest)
     inv_scale = 1.0 / scale
     # The guard unscales the gradients behind its skip ``cond``, fused with its clip
     # (``optax.geared_clip``); without a guard there is no loss scale (``scale`` is 1).
@@ -628,12 +617,12 @@ def make_train_step(
     def probe_names(state, batch):
         seen = []
 
-        def trace(params, rest):
-            _, probes, _, _ = _forward(state, rest, params, batch, loss_fn, has_aux)
+        def trace(params, site):
+            _, probes, _, _ = _forward(state, site, params, batch, loss_fn, has_aux)
             seen.append(tuple(probes))
             return 0
 
-        jax.eval_shape(trace, state.params, _with_gears(state))
+        jax.eval_shape(trace, state.params, _site_state(state))
         return seen[0] + BUILTIN_PROBES
 
     def step(state: TrainState, batch):

@@ -48,16 +48,20 @@ def test_round_trip_keeps_params_gears_and_baselines(tmp_path, trained):
     assert int(restored.gear.sites["blocks.1"]) == Gear.SAFE
 
 
-def test_a_checkpoint_with_one_array_per_site_restores_into_packed_gears(tmp_path, trained):
-    """Checkpoints written before ``gear.SiteValues`` held the gears' per-site fields as one
-    array per site (dicts, flattened in sorted name order): they restore, gears and all, into
-    today's state instead of being skipped as corrupt."""
-    from nan2safe_jax.checkpoint import _per_site_dicts
+@pytest.mark.parametrize("version", ["site variables in rest", "and one array per site"])
+def test_a_checkpoint_of_an_earlier_layout_restores_into_todays(tmp_path, trained, version):
+    """Checkpoints written before ``site.SiteTemplate`` held the sites' gear and probe
+    variables in ``rest``, and before ``gear.SiteValues`` also the gears' per-site fields as
+    one array per site (dicts, flattened in sorted name order): they restore, gears and all,
+    into today's state instead of being skipped as corrupt."""
+    from nan2safe_jax.checkpoint import _per_site_dicts, _with_site_variables
 
-    legacy = _per_site_dicts(trained)
-    assert len(jax.tree_util.tree_leaves(legacy)) > len(jax.tree_util.tree_leaves(trained))
+    old = _with_site_variables(trained)
+    if version == "and one array per site":
+        old = _per_site_dicts(old)
+    assert len(jax.tree_util.tree_leaves(old)) > len(jax.tree_util.tree_leaves(trained))
     ck = Checkpointer(tmp_path / "ck")
-    assert ck.save(3, legacy)
+    assert ck.save(3, old)
     fresh = TrainState.create(Net(rngs=nnx.Rngs(1)), optax.adam(1e-3))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # not skipped with a warning

@@ -39,6 +39,31 @@ def test_create_names_sites_and_probes():
     )
 
 
+def test_site_variables_are_rebuilt_by_the_step_not_carried(step):
+    """The sites' gear and probe variables are not state: ``rest`` holds none, the step
+    rebuilds them (gears from ``state.gear``), and ``state.model`` shows each site's
+    effective gear; the probes the forward writes still reach the detector and the metrics."""
+    state = _state()
+    from nan2safe_jax.site import SiteGear
+
+    assert not any(
+        isinstance(v, (SiteGear, Probe))
+        for v in jax.tree_util.tree_leaves(
+            state.rest, is_leaf=lambda v: isinstance(v, nnx.Variable)
+        )
+    )
+    assert len(state.site_template) == 4  # two sites, a gear and a probe each
+    state = state.replace(gear=G.set_site(state.gear, "blocks.1", Gear.SAFE))
+    gears = {k: int(v.get_value()) for k, v in nan2safe.site.site_gears(state.model).items()}
+    assert gears == {"blocks.0": Gear.FAST, "blocks.1": Gear.SAFE}
+    x, y = _data(1)
+    new, m = step(state, (x[0], y[0]))
+    assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(state)
+    probe = np.asarray(m["probes"]["blocks.0.probe_hidden"])
+    assert probe[0] > 0  # the forward's max |hidden|, not the template's zeros
+    assert int(m["site_gears"]["blocks.1"]) == Gear.SAFE
+
+
 def test_plain_optimizer_is_wrapped_in_guard():
     state = TrainState.create(Net(rngs=nnx.Rngs(0)), optax.sgd(0.1))
     assert nan2safe.optax.is_guarded(state.opt_state)
