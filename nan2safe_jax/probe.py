@@ -71,7 +71,8 @@ def probe_set(kinds):
 
     The train step enters it with ``Config.probes``; outside any block every kind is on, so a
     module called directly writes all its probes. A kind that is off is not traced at all (its
-    ``Probe`` variable keeps its last value and the step leaves it out of the detector).
+    ``Probe`` variable keeps the value it had: in the train step, which rebuilds the site
+    variables each step (``site.SiteTemplate``), zeros; the step leaves it out of the detector).
     """
     token = _ENABLED.set(frozenset(kinds))
     try:
