@@ -13,6 +13,7 @@ baselines of the probes both sets share instead of rejecting the checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -130,7 +131,8 @@ def _with_site_variables(state):
     has no template)."""
     if getattr(state, "site_template", None) is None:
         return None
-    return state.replace(rest=nnx.split(state.model, nnx.Param, ...)[2])
+    # ``dataclasses.replace``: ``TrainState.replace`` would drop the site variables again
+    return dataclasses.replace(state, rest=nnx.split(state.model, nnx.Param, ...)[2])
 
 
 def _without_site_variables(state, like):
@@ -142,17 +144,15 @@ def _without_site_variables(state, like):
 
 def _layouts(like):
     """``(layout, back)`` pairs a checkpoint of ``like`` may have been written in: today's,
-    then those of earlier versions; ``back`` turns a state restored in ``layout`` into
-    ``like``'s."""
-    same = lambda st: st  # noqa: E731
-    out = [(like, same)]
+    then those of earlier versions (built only when asked for: a restore of today's layout
+    builds none); ``back`` turns a state restored in ``layout`` into ``like``'s."""
+    yield like, lambda st: st
     with_sites = _with_site_variables(like)
     if with_sites is not None:
-        out.append((with_sites, lambda st: _without_site_variables(st, like)))
+        yield with_sites, lambda st: _without_site_variables(st, like)
         old = _per_site_dicts(with_sites)
         if old is not None:
-            out.append((old, lambda st: _without_site_variables(_packed(st, with_sites), like)))
-    return out
+            yield old, lambda st: _without_site_variables(_packed(st, with_sites), like)
 
 
 def _layout_of(shapes, like):

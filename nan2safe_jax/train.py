@@ -7,6 +7,7 @@ the probes, decide the next gears, and apply a guarded update. Nothing leaves th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 import weakref
@@ -136,6 +137,20 @@ class TrainState(struct.PyTreeNode):
             cooldown=old.cooldown,
         )
         return self.replace(detector=new)
+
+
+def _replace(self, **updates) -> TrainState:
+    """``TrainState.replace``: ``dataclasses.replace``, except that a ``rest`` holding site
+    variables is stripped of them. ``nnx.split(state.model, nnx.Param, ...)`` (the usual way to
+    write a model's edited variables back, e.g. a knob) returns them; the step rebuilds them
+    (``site.SiteTemplate``), and a ``rest`` with them would change the state's structure."""
+    rest = updates.get("rest")
+    if isinstance(rest, nnx.State):
+        updates["rest"] = nnx.filter_state(rest, nnx.Not(SITE_VARIABLES))
+    return dataclasses.replace(self, **updates)
+
+
+TrainState.replace = _replace  # after the class: flax's dataclass sets its own ``replace``
 
 
 def _site_state(

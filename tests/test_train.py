@@ -64,6 +64,20 @@ def test_site_variables_are_rebuilt_by_the_step_not_carried(step):
     assert int(m["site_gears"]["blocks.1"]) == Gear.SAFE
 
 
+def test_a_rest_written_back_from_the_model_drops_its_site_variables(step):
+    """``state.replace(rest=nnx.split(state.model, nnx.Param, ...)[2])`` (writing a model's
+    edited variables back, as the demo does with its knobs) holds the site variables the state
+    does not carry: ``replace`` drops them, so the state keeps its structure and steps."""
+    state = _state()
+    rest = nnx.split(state.model, nnx.Param, ...)[2]
+    assert len(jax.tree_util.tree_leaves(rest)) > len(jax.tree_util.tree_leaves(state.rest))
+    written = state.replace(rest=rest)
+    assert jax.tree_util.tree_structure(written) == jax.tree_util.tree_structure(state)
+    x, y = _data(1)
+    new, m = step(written, (x[0], y[0]))
+    assert bool(m["finite"])
+
+
 def test_plain_optimizer_is_wrapped_in_guard():
     state = TrainState.create(Net(rngs=nnx.Rngs(0)), optax.sgd(0.1))
     assert nan2safe.optax.is_guarded(state.opt_state)
