@@ -116,10 +116,7 @@ def _packed(state, like):
     fields = {}
     for f in _PER_SITE:
         ref = getattr(like.gear, f)
-        flat = jnp.concatenate(
-            [jnp.ravel(jnp.asarray(getattr(state.gear, f)[k], jnp.int32)) for k in ref]
-            or [jnp.zeros([0], jnp.int32)]
-        )
+        flat = SiteValues.of({k: getattr(state.gear, f)[k] for k in ref}).flat
         sharding = getattr(ref.flat, "sharding", None)
         fields[f] = ref.with_flat(flat if sharding is None else jax.device_put(flat, sharding))
     return state.replace(gear=state.gear.replace(**fields))

@@ -36,12 +36,14 @@ class Gear(enum.IntEnum):
 
 
 @functools.lru_cache(maxsize=64)
-def _offsets(layout: tuple[tuple[str, tuple[int, ...]], ...]) -> dict[str, tuple[int, int]]:
-    """``name -> (start, stop)`` of each site's values in a ``SiteValues`` vector."""
+def _offsets(
+    layout: tuple[tuple[str, tuple[int, ...]], ...],
+) -> dict[str, tuple[int, int, tuple[int, ...]]]:
+    """``name -> (start, stop, shape)`` of each site's values in a ``SiteValues`` vector."""
     out, at = {}, 0
     for name, shape in layout:
         size = int(np.prod(shape, dtype=np.int64))
-        out[name] = (at, at + size)
+        out[name] = (at, at + size, shape)
         at += size
     return out
 
@@ -82,14 +84,13 @@ class SiteValues(Mapping):
 
     def set(self, name: str, value: jax.typing.ArrayLike) -> SiteValues:
         """A copy with site ``name``'s values replaced by ``value`` (broadcast to its shape)."""
-        start, stop = _offsets(self.layout)[name]
-        shape = dict(self.layout)[name]
+        start, stop, shape = _offsets(self.layout)[name]
         v = jnp.ravel(jnp.broadcast_to(jnp.asarray(value, jnp.int32), shape))
         return self.with_flat(jnp.asarray(self.flat).at[start:stop].set(v))
 
     def __getitem__(self, name: str):
-        start, stop = _offsets(self.layout)[name]
-        return self.flat[start:stop].reshape(dict(self.layout)[name])
+        start, stop, shape = _offsets(self.layout)[name]
+        return self.flat[start:stop].reshape(shape)
 
     def __iter__(self):
         return (name for name, _ in self.layout)
