@@ -55,7 +55,8 @@ step's own compile time moves by ±25% between single runs on this machine.
 ``--compile --ablation`` adds the ``guard`` and ``noprobe`` arms (their FAST-only programs) and
 splits what nan2safe adds to the plain step's compile: the step machinery (guard - plain), the
 sites without probes (noprobe - guard), the probes (nan2safe - noprobe); in seconds and kernels.
-The guard arm's plain model is a Python loop of layers with or without ``--scan-layers``.
+With ``--scan-layers`` the guard arm's plain model is scanned too, and the machinery's share
+is ``guard - plain_scan``.
 ``--compile --phases`` also splits each arm's compile by XLA's own phases, read from the log
 its CPU compiler writes when asked (``measure.compile_phases``): the HLO passes, emitting the
 kernels and LLVM compiling them, and the number of LLVM modules (about one per distinct
@@ -65,8 +66,11 @@ XNNPACK fusion is none). CPU only; the medians of the runs go in the arm's ``pha
 fresh persistent compilation cache: the first child compiles and writes the program, the second
 finds it there — what a restarted run waits for (``Trainer`` keeps its cache in
 ``workdir/compile_cache``; ``nan2safe_jax.compile_cache``). JSON under ``"restart"``.
-``--scan-layers`` builds the nan2safe model with ``nnx.scan`` over stacked blocks (the plain
-arm stays a Python loop: flax's usual layout). The GPT-2-small shape:
+``--scan-layers`` builds the nan2safe model with ``nnx.scan`` over stacked blocks. The plain
+arm stays a Python loop (flax's usual layout), and ``--compile`` adds the ``plain_scan`` arm:
+the plain model with its blocks stacked and scanned the same way (``nnx.vmap`` / ``nnx.scan``),
+the like-for-like base (``ratio_scan`` in the JSON); ``--arms`` may name it too. The
+GPT-2-small shape:
 ``--compile --layers 12 --d-model 768 --heads 12 --seq 256 --dtype float16``.
 
 ``--donate``: every arm's step donates its state, as a training loop that keeps no old state
@@ -99,6 +103,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -152,11 +157,25 @@ class PlainBlock(nnx.Module):
 
 
 class PlainTransformer(nnx.Module):
+    """The flax twin of the example transformer; with ``cfg.scan_layers`` its blocks are
+    stacked with ``nnx.vmap`` and run with ``nnx.scan``, as the example's are (the
+    ``plain_scan`` arm and, under ``--scan-layers``, the ``guard`` arms' model)."""
+
     def __init__(self, cfg: TransformerConfig, *, rngs):
         kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
         self.embed = nnx.Embed(cfg.vocab, cfg.d_model, **kw)
         self.pos = nnx.Embed(cfg.seq_len, cfg.d_model, **kw)
-        self.blocks = nnx.List([PlainBlock(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.scan = cfg.scan_layers
+        if cfg.scan_layers:
+
+            @nnx.split_rngs(splits=cfg.num_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make_blocks(rngs):
+                return PlainBlock(cfg, rngs=rngs)
+
+            self.blocks = make_blocks(rngs)
+        else:
+            self.blocks = nnx.List([PlainBlock(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.norm = nnx.LayerNorm(cfg.d_model, epsilon=cfg.epsilon, **kw)
         self.head = nnx.Linear(cfg.d_model, cfg.vocab, **kw)
 
@@ -165,8 +184,16 @@ class PlainTransformer(nnx.Module):
         x = self.embed(tokens) + self.pos(jnp.arange(t))
         causal = jnp.tril(jnp.ones((t, t), bool))
         amask = (mask[:, None, None, :] | jnp.eye(t, dtype=bool)) & causal
-        for block in self.blocks:
-            x = block(x, amask)
+        if self.scan:
+
+            @nnx.scan(in_axes=(0, nnx.Carry, None), out_axes=nnx.Carry)
+            def scan_blocks(block, x, amask):
+                return block(x, amask)
+
+            x = scan_blocks(self.blocks, x, amask)
+        else:
+            for block in self.blocks:
+                x = block(x, amask)
         return self.head(self.norm(x))
 
 
@@ -178,8 +205,10 @@ def plain_loss(model, batch):
     return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
-def make_plain(cfg, tx, rules=None, donate=False):
-    model = PlainTransformer(cfg, rngs=nnx.Rngs(0))
+def make_plain(cfg, tx, rules=None, donate=False, scan=False):
+    """The plain optax + NNX step; ``scan``: its blocks scanned (the ``plain_scan`` arm), else
+    a Python loop of layers whatever ``cfg.scan_layers`` says (flax's usual layout)."""
+    model = PlainTransformer(dataclasses.replace(cfg, scan_layers=scan), rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     opt_state = tx.init(params)
 
@@ -280,8 +309,8 @@ def _background(on: bool):
 def make_arm(name, cfg, tx, rules=None, donate=False):
     """One arm of the comparison by name (see the module docstring); ``donate``: the arm's
     step donates its state (``--donate``)."""
-    if name == "plain":
-        return make_plain(cfg, tx, rules, donate)
+    if name in ("plain", "plain_scan"):
+        return make_plain(cfg, tx, rules, donate, scan=name == "plain_scan")
     n2s = functools.partial(make_n2s, donate=donate)
     if name == "nan2safe":
         return n2s(cfg, tx, rules)
@@ -454,6 +483,12 @@ def _compile_table(rec: dict) -> list[str]:
     if rec.get("ratio") is not None:
         lines.append(
             f"compile ratio nan2safe / plain: {rec['ratio']:.2f}x (target <= {COMPILE_TARGET})"
+            + (" (plain: a Python loop of layers)" if rec.get("ratio_scan") is not None else "")
+        )
+    if rec.get("ratio_scan") is not None:
+        lines.append(
+            f"compile ratio nan2safe / plain_scan (both scanned): {rec['ratio_scan']:.2f}x"
+            f" (target <= {COMPILE_TARGET})"
         )
     arms = rec["arms"]
     if sized and "kernels" in arms.get("plain", {}) and "kernels" in arms.get("nan2safe", {}):
@@ -486,8 +521,10 @@ def _compile_table(rec: dict) -> list[str]:
                 if "kernels" in d and "distinct_kernels" in d
                 else ""
             )
-            if step == "sites" and rec.get("scan_layers"):
-                step = "sites and the layer scan"  # the guard arm's plain model is unrolled
+            if step == "sites" and rec.get("scan_layers") and "plain_scan" not in rec["arms"]:
+                step = "sites and the layer scan"  # records before plain_scan: guard unrolled
+            elif step == "machinery" and "plain_scan" in rec["arms"]:
+                before = "plain_scan"
             parts.append(f"{step} ({after} - {before}) {d['compile_s']:+.1f} s{kern}")
         lines.append("compile added by: " + "; ".join(parts))
     return lines
@@ -642,7 +679,8 @@ def _compile_main(args, argv) -> dict:
         del argv[i : i + 2]
     if args.restart:
         return _restart_main(args, argv, orig)
-    names = ("plain", "nan2safe", "general") + (("guard", "noprobe") if args.ablation else ())
+    names = ("plain",) + (("plain_scan",) if args.scan_layers else ()) + ("nan2safe", "general")
+    names += ("guard", "noprobe") if args.ablation else ()
     runs: dict[str, list[dict]] = {a: [] for a in names}
     for _ in range(args.repeats):  # arms interleaved, so a slow spell hits all of them
         for a in names:
@@ -655,7 +693,13 @@ def _compile_main(args, argv) -> dict:
         if "compile_s" in arms[a] and "compile_s" in arms["plain"]
         else None
     )
-    extra = dict(ratio=ratio("nan2safe"), ratio_general=ratio("general"), split=compile_split(arms))
+    extra = dict(
+        ratio=ratio("nan2safe"),
+        ratio_general=ratio("general"),
+        split=compile_split(arms, scan=args.scan_layers),
+    )
+    if args.scan_layers and "compile_s" in arms["plain_scan"] and "compile_s" in arms["nan2safe"]:
+        extra["ratio_scan"] = arms["nan2safe"]["compile_s"] / arms["plain_scan"]["compile_s"]
     return _write_compile_record(args, orig, arms, "compile", _compile_table, **extra)
 
 
@@ -736,7 +780,8 @@ def restart_arm(pairs: list[tuple[dict, dict]]) -> dict:
 
 # The compile ablation's steps, each arm against the one before it: what the step machinery
 # adds to the plain step (the guard arm: make_train_step on the plain model), what the sites add
-# without a probe, what the probes add (the nan2safe arm).
+# without a probe, what the probes add (the nan2safe arm). Scanned, the machinery's base is
+# the scanned plain step (``plain_scan``): the guard arm's plain model is scanned too.
 SPLIT = (
     ("machinery", "plain", "guard"),
     ("sites", "guard", "noprobe"),
@@ -744,22 +789,24 @@ SPLIT = (
 )
 
 
-def compile_split(arms: dict) -> dict | None:
+def compile_split(arms: dict, scan: bool = False) -> dict | None:
     """``--compile --ablation``: each step of ``SPLIT`` as the seconds of compile it adds (the
     arms' medians) and the kernels it adds (raw and distinct: the same on every run); None
     without the ablation's arms (or with an arm that did not finish).
 
     Args:
       arms: arm name -> ``_median_run`` record.
+      scan: the ``--scan-layers`` record: the machinery is ``guard - plain_scan``.
 
     Returns:
       ``{step: {"compile_s": ..., "kernels": ..., "distinct_kernels": ...}}`` or None.
     """
-    needed = {arm for _, before, after in SPLIT for arm in (before, after)}
+    steps = [(st, "plain_scan" if scan and b == "plain" else b, a) for st, b, a in SPLIT]
+    needed = {arm for _, before, after in steps for arm in (before, after)}
     if any("compile_s" not in arms.get(a, {}) for a in needed):
         return None
     out = {}
-    for step, before, after in SPLIT:
+    for step, before, after in steps:
         a, b = arms[before], arms[after]
         out[step] = {"compile_s": b["compile_s"] - a["compile_s"]}
         for k in ("kernels", "distinct_kernels"):

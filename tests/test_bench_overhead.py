@@ -157,6 +157,73 @@ def test_compile_ablation_splits_the_added_compile_into_machinery_sites_and_prob
     )
 
 
+def test_scanned_compile_is_split_and_rated_against_the_scanned_plain_step(bench):
+    """With ``--scan-layers`` the guard arm's model is scanned, so the machinery is ``guard -
+    plain_scan``, and the like-for-like ratio is against ``plain_scan``."""
+
+    def run(t, k):
+        size = dict(kernels=k, fused_instructions=10 * k, flops=1.0, bytes_accessed=1e9)
+        size |= dict(distinct_kernels=k // 4, distinct_fused_instructions=k)
+        return {"lower_s": 1.0, "compile_s": t, "rss_gb": 0.5, **size}
+
+    arms = {
+        "plain": run(2.0, 100),
+        "plain_scan": run(2.5, 60),
+        "nan2safe": run(4.0, 120),
+        "guard": run(3.0, 100),
+        "noprobe": run(3.5, 108),
+    }
+    split = bench.compile_split(arms, scan=True)
+    assert split["machinery"] == {"compile_s": 0.5, "kernels": 40, "distinct_kernels": 10}
+    assert sum(d["compile_s"] for d in split.values()) == pytest.approx(4.0 - 2.5)
+    assert (
+        bench.compile_split({k: v for k, v in arms.items() if k != "plain_scan"}, scan=True) is None
+    )
+    rec = dict(
+        command="c", backend="cpu", dtype="float32", scan_layers=True, repeats=1,
+        layers=4, d_model=256, seq=128, batch=8, arms=arms, ratio=2.0, ratio_scan=1.6,
+        split=split,
+    )  # fmt: skip
+    table = bench._compile_table(rec)
+    assert (
+        "compile ratio nan2safe / plain: 2.00x (target <= 1.3) (plain: a Python loop of layers)"
+        in table
+    )
+    assert "compile ratio nan2safe / plain_scan (both scanned): 1.60x (target <= 1.3)" in table
+    assert table[-1].startswith("compile added by: machinery (guard - plain_scan) +0.5 s")
+    assert "sites (noprobe - guard) +0.5 s" in table[-1]
+
+
+def test_the_scanned_plain_model_computes_what_the_unrolled_one_does(bench):
+    """``plain_scan`` is the plain model, only laid out for ``nnx.scan``: with the same
+    parameters (layer i of the stack in block i) it gives the same logits."""
+    import argparse
+    import dataclasses
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from examples.transformer import make_batch
+
+    size = dict(layers=2, d_model=32, heads=2, seq=8, dtype="float32", scan_layers=True)
+    cfg = bench._model_cfg(argparse.Namespace(**size))
+    scanned = bench.PlainTransformer(cfg, rngs=nnx.Rngs(0))
+    unrolled = bench.PlainTransformer(dataclasses.replace(cfg, scan_layers=False), rngs=nnx.Rngs(1))
+    batch = make_batch(jax.random.key(0), cfg, 2)
+    forward = nnx.jit(lambda m, b: m(b["tokens"], b["mask"]))
+    before = forward(unrolled, batch)  # its own parameters
+    stacked = nnx.state(scanned.blocks, nnx.Param)
+    for i, block in enumerate(unrolled.blocks):
+        nnx.update(block, jax.tree.map(lambda a, i=i: a[i], stacked))
+    for name in ("embed", "pos", "norm", "head"):
+        nnx.update(getattr(unrolled, name), nnx.state(getattr(scanned, name), nnx.Param))
+    a, b = forward(scanned, batch), forward(unrolled, batch)
+    assert a.shape == (2, 8, cfg.vocab)
+    assert not np.allclose(np.asarray(a), np.asarray(before), rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
 def test_restart_record_pairs_each_first_compile_with_the_restart_after_it(bench):
     child = lambda lower, comp: {"lower_s": lower, "compile_s": comp, "rss_gb": 0.5}  # noqa: E731
     killed = {"error": "killed: RSS 5.1 GB, 3 s", "rss_gb": 5.1}
