@@ -19,7 +19,7 @@ import contextvars
 import functools
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -167,20 +167,30 @@ def site_gears(model: nnx.Module) -> dict[str, SiteGear]:
     return out
 
 
-def collect_probes(model: nnx.Module) -> dict[str, jax.Array]:
-    """Every ``Probe`` variable of ``model`` as ``{name: f32[NUM_STATS]}``.
+class ProbeBlock(NamedTuple):
+    """One ``Probe`` variable's statistics as rows: ``names[i]`` is row ``i`` of ``stats``."""
 
-    A stacked probe (``[L, NUM_STATS]``, from ``nnx.scan``) gives one probe per layer,
-    ``"path[i]"``, so a single layer's growth is not averaged away; sown probes (tuples) give
-    one per call.
+    names: tuple[str, ...]
+    stats: jax.Array  # f32[len(names), NUM_STATS]
+
+
+def probe_blocks(model: nnx.Module) -> list[ProbeBlock]:
+    """Every ``Probe`` variable of ``model`` as a ``ProbeBlock``, in graph order.
+
+    A probe of one statistics vector is one row named by its path; a stacked probe
+    (``[L, NUM_STATS]``, from ``nnx.scan``) is ``L`` rows, ``"path[i]"``, so a single layer's
+    growth is not averaged away; sown probes (tuples) give one row per call. The train step
+    stacks the blocks whole: slicing a scanned probe into rows and stacking the rows again
+    made a kernel of every row (60 at GPT-2 small scanned) once the rows were a conditional's
+    operands (``numerics.computed_once``).
 
     Args:
       model: any ``nnx.Module``.
 
     Returns:
-      ``{probe name: f32[NUM_STATS]}`` in graph order; the name is the probe's path.
+      ``[ProbeBlock]``; the name is the probe's path.
     """
-    out = {}
+    out = []
     for path, node in nnx.iter_graph(model):
         if not isinstance(node, Probe):
             continue
@@ -188,9 +198,29 @@ def collect_probes(model: nnx.Module) -> dict[str, jax.Array]:
         leaves = jax.tree_util.tree_leaves(node.get_value())
         rows = [jnp.reshape(jnp.asarray(v, jnp.float32), (-1, NUM_STATS)) for v in leaves]
         if len(rows) == 1 and jnp.ndim(leaves[0]) == 1:
-            out[name] = rows[0][0]
+            out.append(ProbeBlock((name,), rows[0]))
             continue
-        flat = jnp.concatenate(rows) if rows else jnp.zeros((0, NUM_STATS))
-        for i in range(flat.shape[0]):
-            out[f"{name}[{i}]"] = flat[i]
+        flat = jnp.concatenate(rows) if rows else jnp.zeros((0, NUM_STATS), jnp.float32)
+        out.append(ProbeBlock(tuple(f"{name}[{i}]" for i in range(flat.shape[0])), flat))
     return out
+
+
+def probe_rows(blocks: list[ProbeBlock]) -> dict[str, jax.Array]:
+    """``{row name: f32[NUM_STATS]}`` of ``probe_blocks``' blocks."""
+    return {n: b.stats[i] for b in blocks for i, n in enumerate(b.names)}
+
+
+def collect_probes(model: nnx.Module) -> dict[str, jax.Array]:
+    """Every ``Probe`` variable of ``model`` as ``{name: f32[NUM_STATS]}``.
+
+    A stacked probe (``[L, NUM_STATS]``, from ``nnx.scan``) gives one probe per layer,
+    ``"path[i]"``, so a single layer's growth is not averaged away; sown probes (tuples) give
+    one per call (``probe_blocks``, row by row).
+
+    Args:
+      model: any ``nnx.Module``.
+
+    Returns:
+      ``{probe name: f32[NUM_STATS]}`` in graph order; the name is the probe's path.
+    """
+    return probe_rows(probe_blocks(model))

@@ -32,10 +32,12 @@ from nan2safe_jax.programs import StepPrograms
 from nan2safe_jax.site import (
     SITE_VARIABLES,
     Probe,
+    ProbeBlock,
     SiteTemplate,
-    collect_probes,
     name_sites,
     path_name,
+    probe_blocks,
+    probe_rows,
     site_gears,
 )
 
@@ -177,8 +179,8 @@ def _site_state(
     return nnx.split(model, nnx.Param, SITE_VARIABLES, ...)[2]
 
 
-def watched_probes(model: nnx.Module, kinds) -> dict[str, jax.Array]:
-    """``collect_probes(model)`` less the probes of a kind not in ``kinds`` (``Config.probes``).
+def watched_blocks(model: nnx.Module, kinds) -> list[ProbeBlock]:
+    """``probe_blocks(model)`` less the probes of a kind not in ``kinds`` (``Config.probes``).
 
     A site maps its ``Probe`` attributes to kinds in ``probe_kinds``; a probe a module declares
     or sows outside that map is always watched.
@@ -189,10 +191,16 @@ def watched_probes(model: nnx.Module, kinds) -> dict[str, jax.Array]:
         for attr, kind in getattr(node, "probe_kinds", {}).items():
             if kind not in kinds:
                 off.add(path_name((*path, attr)))
-    probes = collect_probes(model)
+    blocks = probe_blocks(model)
     if not off:
-        return probes
-    return {k: v for k, v in probes.items() if k.split("[", 1)[0] not in off}
+        return blocks
+    return [b for b in blocks if b.names[0].split("[", 1)[0] not in off]
+
+
+def watched_probes(model: nnx.Module, kinds) -> dict[str, jax.Array]:
+    """``watched_blocks`` row by row: ``{probe name: f32[NUM_STATS]}`` (``collect_probes``
+    less the probes of a kind not in ``kinds``)."""
+    return probe_rows(watched_blocks(model, kinds))
 
 
 def _forward(state: TrainState, site, params, batch, loss_fn, has_aux: bool = False):
@@ -218,7 +226,7 @@ def _forward(state: TrainState, site, params, batch, loss_fn, has_aux: bool = Fa
             f"loss_fn must return a scalar loss, got shape {getattr(loss, 'shape', type(loss))}; "
             "reduce it (e.g. with .mean()) inside loss_fn"
         )
-    probes = watched_probes(model, state.cfg.probes)
+    probes = watched_blocks(model, state.cfg.probes)
     # Probes sown during the call are new variables: drop them so the state keeps its structure.
     sown = lambda path, node: isinstance(node, Probe) and tuple(path) not in declared
     nnx.pop(model, sown)
@@ -354,14 +362,30 @@ def train_step(
     downshift_now = incident | (overflow & (streak >= OVERFLOW_GRACE))
     grad_norm = jnp.where(grads_finite, jnp.sqrt(sgrad_sq) * inv_scale, jnp.inf)
 
-    probes = dict(probes)
-    probes["loss"] = probe_lib.stats(loss)
-    # No headroom on the gradient probe: the scaled gradients live near the dtype's max by
-    # design (dynamic loss scaling bounces off it), and the loss scale already handles that.
-    probes["grad_norm"] = probe_lib.scalar_stats(grad_norm, jnp.zeros([], jnp.float32), ~finite)
-    probes["update_norm"] = state.update_stats
+    builtin = (
+        probe_lib.stats(loss),
+        # No headroom on the gradient probe: the scaled gradients live near the dtype's max by
+        # design (dynamic loss scaling bounces off it), and the loss scale already handles that.
+        probe_lib.scalar_stats(grad_norm, jnp.zeros([], jnp.float32), ~finite),
+        state.update_stats,
+    )
+    own = zip(BUILTIN_PROBES, builtin, strict=True)
+    blocks = [*probes, *(ProbeBlock((n,), v[None]) for n, v in own)]
+    names = tuple(n for b in blocks for n in b.names)
+    # Every probe's statistics in one array, for the detector and the metrics alike, stacked a
+    # block at a time (a scanned probe's layers stay one operand) behind a conditional, so each
+    # probe's scalar finish is computed once (``numerics.computed_once``); the predicate is
+    # never false (counts are not negative), only unknown until run time.
+    stacked = numerics.computed_once(
+        lambda *xs: jnp.concatenate(xs),
+        jnp.all(state.detector.count >= 0),
+        *(b.stats for b in blocks),
+    )
+    probes = probe_lib.NamedValues(names, stacked)
     lr = None if lr_schedule is None else lr_schedule(state.step)
-    det, risk = det_lib.update(state.detector, probes, cfg, lr=lr)
+    # A state tracking other names (``train_step`` called on it directly) is matched by name.
+    seen = stacked if names == state.detector.names else probes
+    det, risk = det_lib.update(state.detector, seen, cfg, lr=lr)
 
     def decide(nonfinite):
         return gear_lib.decide(gs, risk.risk, nonfinite, cfg, calm=risk.calm, sites_fast=fast_only)
@@ -557,8 +581,9 @@ def make_train_step(
 
     Returns:
       ``step(state, batch)``. Its metrics hold ``loss``, ``risk``, ``gear`` (the level this step
-      ran with), ``loss_scale``, ``grad_norm``, ``nonfinite``, ``skipped``, per-probe ``probes``
-      and ``probe_risk`` (a ``probe.NamedValues``: a mapping probe -> risk held as one vector),
+      ran with), ``loss_scale``, ``grad_norm``, ``nonfinite``, ``skipped``, ``probes`` and
+      ``probe_risk`` (each a ``probe.NamedValues``, one array read as a mapping: probe ->
+      ``f32[NUM_STATS]`` statistics, in the detector's order; probe -> risk),
       ``site_gears`` and ``next_all_fast`` (the next step's program).
       ``step.jitted`` is the general step jitted without shardings and ``step.jitted_fast``
       the FAST-only one (what ``replay.locate_step`` traces; give it arguments gathered with
@@ -633,8 +658,8 @@ def make_train_step(
         seen = []
 
         def trace(params, site):
-            _, probes, _, _ = _forward(state, site, params, batch, loss_fn, has_aux)
-            seen.append(tuple(probes))
+            _, blocks, _, _ = _forward(state, site, params, batch, loss_fn, has_aux)
+            seen.append(tuple(n for b in blocks for n in b.names))
             return 0
 
         jax.eval_shape(trace, state.params, _site_state(state))

@@ -289,3 +289,43 @@ def test_a_donated_step_computes_what_an_undonated_one_does_skips_included():
     assert [s for _, s in runs[True]] == [False, False, False, True, False]
     for (a, _), (b, _) in zip(runs[False], runs[True], strict=True):
         _assert_same(a, b)
+
+
+def test_metrics_probes_are_one_array_row_per_probe_and_scanned_layers_stay_one_block():
+    """``metrics["probes"]`` is every probe's statistics as one array (a ``NamedValues``, in
+    the detector's order), each row what the forward wrote; a scanned probe's layers reach the
+    stack as one ``[L, NUM_STATS]`` operand of its conditional, not a slice per layer."""
+    from examples.transformer import Transformer, TransformerConfig, lm_loss, make_batch
+    from nan2safe_jax.probe import NUM_STATS, NamedValues
+    from nan2safe_jax.site import collect_probes
+
+    cfg = TransformerConfig(
+        num_layers=3, d_model=32, num_heads=2, seq_len=8, scan_layers=True, knobs=False
+    )
+    state = TrainState.create(Transformer(cfg, rngs=nnx.Rngs(0)), optax.adam(1e-3))
+    batch = make_batch(jax.random.key(0), cfg, 2)
+    step = make_train_step(lm_loss)
+    new, m = step(state, batch)
+    probes = m["probes"]
+    assert isinstance(probes, NamedValues) and len(jax.tree_util.tree_leaves(probes)) == 1
+    assert tuple(probes) == new.detector.names
+    assert "blocks.attn.probe_logits[2]" in probes
+    # the reference: the same forward, its probe variables read row by row
+    model = state.model
+    with nan2safe.probe.probe_set(state.cfg.probes):
+        loss = lm_loss(model, batch)
+    rows = collect_probes(model)
+    for name, row in rows.items():
+        if name in probes:
+            np.testing.assert_allclose(np.asarray(probes[name]), np.asarray(row), rtol=1e-5)
+    np.testing.assert_allclose(float(probes["loss"][0]), float(loss), rtol=1e-5)
+    # one [3, NUM_STATS] operand per scanned probe in the stack's conditional
+    jaxpr = jax.make_jaxpr(lambda s, b: nan2safe.train.train_step(s, b, lm_loss))(state, batch)
+    stack = next(
+        e
+        for e in jaxpr.eqns
+        if e.primitive.name == "cond"
+        and e.outvars[0].aval.shape == (len(new.detector.names), NUM_STATS)
+    )
+    shapes = [v.aval.shape for v in stack.invars[1:]]
+    assert shapes.count((3, NUM_STATS)) >= 5 and (1, NUM_STATS) in shapes
