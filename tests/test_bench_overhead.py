@@ -119,17 +119,19 @@ def test_the_timed_model_has_no_knobs_and_computes_what_the_knobbed_one_does(ben
     assert jax.tree.leaves(same) == [True]
 
 
-def test_compile_ablation_splits_the_added_compile_into_machinery_sites_and_probes(bench):
-    def run(t, k):
-        size = dict(kernels=k, fused_instructions=10 * k, flops=1.0, bytes_accessed=1e9)
-        size |= dict(distinct_kernels=k // 4, distinct_fused_instructions=k)
-        return {"lower_s": 1.0, "compile_s": t, "rss_gb": 0.5, **size}
+def _compile_run(t, k):
+    """A compile child's record: ``t`` seconds, ``k`` kernels (sizes derived from ``k``)."""
+    size = dict(kernels=k, fused_instructions=10 * k, flops=1.0, bytes_accessed=1e9)
+    size |= dict(distinct_kernels=k // 4, distinct_fused_instructions=k)
+    return {"lower_s": 1.0, "compile_s": t, "rss_gb": 0.5, **size}
 
+
+def test_compile_ablation_splits_the_added_compile_into_machinery_sites_and_probes(bench):
     arms = {
-        "plain": run(2.0, 100),
-        "nan2safe": run(4.5, 180),
-        "guard": run(3.0, 140),
-        "noprobe": run(3.5, 148),
+        "plain": _compile_run(2.0, 100),
+        "nan2safe": _compile_run(4.5, 180),
+        "guard": _compile_run(3.0, 140),
+        "noprobe": _compile_run(3.5, 148),
     }
     split = bench.compile_split(arms)
     assert split == {
@@ -161,17 +163,12 @@ def test_scanned_compile_is_split_and_rated_against_the_scanned_plain_step(bench
     """With ``--scan-layers`` the guard arm's model is scanned, so the machinery is ``guard -
     plain_scan``, and the like-for-like ratio is against ``plain_scan``."""
 
-    def run(t, k):
-        size = dict(kernels=k, fused_instructions=10 * k, flops=1.0, bytes_accessed=1e9)
-        size |= dict(distinct_kernels=k // 4, distinct_fused_instructions=k)
-        return {"lower_s": 1.0, "compile_s": t, "rss_gb": 0.5, **size}
-
     arms = {
-        "plain": run(2.0, 100),
-        "plain_scan": run(2.5, 60),
-        "nan2safe": run(4.0, 120),
-        "guard": run(3.0, 100),
-        "noprobe": run(3.5, 108),
+        "plain": _compile_run(2.0, 100),
+        "plain_scan": _compile_run(2.5, 60),
+        "nan2safe": _compile_run(4.0, 120),
+        "guard": _compile_run(3.0, 100),
+        "noprobe": _compile_run(3.5, 108),
     }
     split = bench.compile_split(arms, scan=True)
     assert split["machinery"] == {"compile_s": 0.5, "kernels": 40, "distinct_kernels": 10}
