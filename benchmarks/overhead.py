@@ -514,7 +514,7 @@ def _compile_table(rec: dict) -> list[str]:
         )
     if rec.get("split"):
         parts = []
-        for step, before, after in SPLIT:
+        for step, before, after in split_steps("plain_scan" in rec["arms"]):
             d = rec["split"][step]
             kern = (
                 f", {d['kernels']:+d} kernels ({d['distinct_kernels']:+d} distinct)"
@@ -523,8 +523,6 @@ def _compile_table(rec: dict) -> list[str]:
             )
             if step == "sites" and rec.get("scan_layers") and "plain_scan" not in rec["arms"]:
                 step = "sites and the layer scan"  # records before plain_scan: guard unrolled
-            elif step == "machinery" and "plain_scan" in rec["arms"]:
-                before = "plain_scan"
             parts.append(f"{step} ({after} - {before}) {d['compile_s']:+.1f} s{kern}")
         lines.append("compile added by: " + "; ".join(parts))
     return lines
@@ -789,6 +787,11 @@ SPLIT = (
 )
 
 
+def split_steps(scan: bool) -> list[tuple[str, str, str]]:
+    """``SPLIT`` with the machinery's base ``plain_scan`` when ``scan``."""
+    return [(st, "plain_scan" if scan and b == "plain" else b, a) for st, b, a in SPLIT]
+
+
 def compile_split(arms: dict, scan: bool = False) -> dict | None:
     """``--compile --ablation``: each step of ``SPLIT`` as the seconds of compile it adds (the
     arms' medians) and the kernels it adds (raw and distinct: the same on every run); None
@@ -801,7 +804,7 @@ def compile_split(arms: dict, scan: bool = False) -> dict | None:
     Returns:
       ``{step: {"compile_s": ..., "kernels": ..., "distinct_kernels": ...}}`` or None.
     """
-    steps = [(st, "plain_scan" if scan and b == "plain" else b, a) for st, b, a in SPLIT]
+    steps = split_steps(scan)
     needed = {arm for _, before, after in steps for arm in (before, after)}
     if any("compile_s" not in arms.get(a, {}) for a in needed):
         return None

@@ -15,7 +15,7 @@ is neither an overflow nor a non-finite value for a probe (``nonfinite_count``, 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import jax
@@ -24,7 +24,7 @@ from flax import struct
 
 from nan2safe_jax import numerics
 from nan2safe_jax.config import Config
-from nan2safe_jax.probe import HEADROOM, MAX_ABS, NONFINITE, NUM_STATS
+from nan2safe_jax.probe import HEADROOM, MAX_ABS, NONFINITE, NUM_STATS, NamedValues
 from nan2safe_jax.probe import STATS as STATS  # the probe vector lives in nan2safe_jax.probe
 from nan2safe_jax.probe import headroom as headroom
 from nan2safe_jax.probe import nonfinite_count as nonfinite_count
@@ -163,6 +163,36 @@ def stack_stats(probe_stats: Mapping[str, jax.Array], names: tuple[str, ...]) ->
     return jnp.stack([jnp.asarray(probe_stats.get(n, zero), jnp.float32) for n in names])
 
 
+def _computed_once(state: DetectorState, fn, *operands):
+    """``fn(*operands)`` behind ``numerics.computed_once``: each probe's statistics (a scalar
+    chain after its reduction) are computed once, by the kernel that writes them, instead of
+    again inside every reader of the stack. The predicate is never false (counts are not
+    negative), only unknown until run time."""
+    return numerics.computed_once(fn, jnp.all(state.count >= 0), *operands)
+
+
+def stack_blocks(
+    state: DetectorState, blocks: Sequence[tuple[tuple[str, ...], jax.Array]]
+) -> NamedValues:
+    """Every block's rows in one ``f32[P, NUM_STATS]``, named row by row, in block order.
+
+    A block is ``(row names, f32[rows, NUM_STATS])`` (``site.ProbeBlock``): a scanned probe's
+    layers stay one operand of the stack's conditional; slicing them into rows first made a
+    kernel of every layer (60 at GPT-2 small scanned). The train step stacks its probes with
+    it once, for the detector (``update`` takes the result as is) and the metrics alike.
+
+    Args:
+      state: the detector (its counts give ``_computed_once`` its predicate).
+      blocks: ``[(names, stats)]``.
+
+    Returns:
+      ``NamedValues(names, f32[P, NUM_STATS])``.
+    """
+    names = tuple(n for block_names, _ in blocks for n in block_names)
+    values = _computed_once(state, lambda *xs: jnp.concatenate(xs), *(b for _, b in blocks))
+    return NamedValues(names, values)
+
+
 def _estimation_margin(count: jax.Array, cfg: Config) -> jax.Array:
     """Threshold factor for the noise of the baseline itself: ``1 + sqrt(alpha_eff)``.
 
@@ -217,7 +247,7 @@ def _fold(
 
 def update(
     state: DetectorState,
-    probe_stats: Mapping[str, jax.Array] | jax.Array,
+    probe_stats: Mapping[str, jax.Array] | NamedValues | jax.Array,
     cfg: Config,
     lr: jax.ArrayLike | None = None,
 ) -> tuple[DetectorState, Risk]:
@@ -242,21 +272,22 @@ def update(
 
     Args:
       state: the baselines.
-      probe_stats: ``{name: f32[NUM_STATS]}`` (from ``stats``) or an f32[P, NUM_STATS] array.
+      probe_stats: ``{name: f32[NUM_STATS]}`` (from ``stats``), matched by name; a
+        ``NamedValues`` in ``state.names``' order (``stack_blocks``), or an
+        f32[P, NUM_STATS] array, taken as is.
       cfg: thresholds.
       lr: this step's learning rate, for the cool-down after a schedule jump (optional).
 
     Returns:
       ``(new_state, Risk)``.
     """
-    if isinstance(probe_stats, Mapping):
-        # Stacked behind a conditional: each probe's statistics are computed once, by the kernel
-        # that also writes them out, instead of again inside the stack (``computed_once``).
-        # The predicate is never false (counts are not negative), only unknown until run time.
+    if isinstance(probe_stats, NamedValues) and probe_stats.names == state.names:
+        s = jnp.asarray(probe_stats.values, jnp.float32)  # ``stack_blocks``' stack, as is
+    elif isinstance(probe_stats, Mapping):  # matched by name (``_computed_once``)
         names = state.names
         stack = lambda p: stack_stats(p, names)  # noqa: E731
         probes = {n: jnp.asarray(v, jnp.float32) for n, v in probe_stats.items() if n in names}
-        s = numerics.computed_once(stack, jnp.all(state.count >= 0), probes)
+        s = _computed_once(state, stack, probes)
     else:
         s = jnp.asarray(probe_stats, jnp.float32).reshape(len(state.names), NUM_STATS)
     x, head, bad = s[:, MAX_ABS], s[:, HEADROOM], s[:, NONFINITE]

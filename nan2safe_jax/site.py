@@ -180,9 +180,7 @@ def probe_blocks(model: nnx.Module) -> list[ProbeBlock]:
     A probe of one statistics vector is one row named by its path; a stacked probe
     (``[L, NUM_STATS]``, from ``nnx.scan``) is ``L`` rows, ``"path[i]"``, so a single layer's
     growth is not averaged away; sown probes (tuples) give one row per call. The train step
-    stacks the blocks whole: slicing a scanned probe into rows and stacking the rows again
-    made a kernel of every row (60 at GPT-2 small scanned) once the rows were a conditional's
-    operands (``numerics.computed_once``).
+    stacks the blocks whole (``detector.stack_blocks``).
 
     Args:
       model: any ``nnx.Module``.
@@ -201,7 +199,8 @@ def probe_blocks(model: nnx.Module) -> list[ProbeBlock]:
             out.append(ProbeBlock((name,), rows[0]))
             continue
         flat = jnp.concatenate(rows) if rows else jnp.zeros((0, NUM_STATS), jnp.float32)
-        out.append(ProbeBlock(tuple(f"{name}[{i}]" for i in range(flat.shape[0])), flat))
+        if flat.shape[0]:  # a probe with no rows (sown by no call) is no block
+            out.append(ProbeBlock(tuple(f"{name}[{i}]" for i in range(flat.shape[0])), flat))
     return out
 
 

@@ -371,21 +371,10 @@ def train_step(
     )
     own = zip(BUILTIN_PROBES, builtin, strict=True)
     blocks = [*probes, *(ProbeBlock((n,), v[None]) for n, v in own)]
-    names = tuple(n for b in blocks for n in b.names)
-    # Every probe's statistics in one array, for the detector and the metrics alike, stacked a
-    # block at a time (a scanned probe's layers stay one operand) behind a conditional, so each
-    # probe's scalar finish is computed once (``numerics.computed_once``); the predicate is
-    # never false (counts are not negative), only unknown until run time.
-    stacked = numerics.computed_once(
-        lambda *xs: jnp.concatenate(xs),
-        jnp.all(state.detector.count >= 0),
-        *(b.stats for b in blocks),
-    )
-    probes = probe_lib.NamedValues(names, stacked)
+    # Every probe's statistics in one array, for the detector and the metrics alike.
+    probes = det_lib.stack_blocks(state.detector, blocks)
     lr = None if lr_schedule is None else lr_schedule(state.step)
-    # A state tracking other names (``train_step`` called on it directly) is matched by name.
-    seen = stacked if names == state.detector.names else probes
-    det, risk = det_lib.update(state.detector, seen, cfg, lr=lr)
+    det, risk = det_lib.update(state.detector, probes, cfg, lr=lr)
 
     def decide(nonfinite):
         return gear_lib.decide(gs, risk.risk, nonfinite, cfg, calm=risk.calm, sites_fast=fast_only)
