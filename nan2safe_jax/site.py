@@ -198,9 +198,10 @@ def probe_blocks(model: nnx.Module) -> list[ProbeBlock]:
         if len(rows) == 1 and jnp.ndim(leaves[0]) == 1:
             out.append(ProbeBlock((name,), rows[0]))
             continue
-        flat = jnp.concatenate(rows) if rows else jnp.zeros((0, NUM_STATS), jnp.float32)
-        if flat.shape[0]:  # a probe with no rows (sown by no call) is no block
-            out.append(ProbeBlock(tuple(f"{name}[{i}]" for i in range(flat.shape[0])), flat))
+        if not sum(r.shape[0] for r in rows):  # a probe with no rows (sown by no call)
+            continue
+        flat = jnp.concatenate(rows)
+        out.append(ProbeBlock(tuple(f"{name}[{i}]" for i in range(flat.shape[0])), flat))
     return out
 
 
