@@ -103,6 +103,67 @@ def test_sum_of_squares_of_a_difference_matches_float64(dtype, bad):
         numerics.sum_of_squares(old, minus={"p0": old["p0"]})
 
 
+def _squared_operands(jaxpr) -> list:
+    """For every sum of squares in ``jaxpr``: the primitive that made the squared operand."""
+    made = {v: e for e in jaxpr.eqns for v in e.outvars}
+    out = []
+    for e in jaxpr.eqns:
+        sq = made.get(e.invars[0]) if e.primitive.name == "reduce_sum" else None
+        if sq is not None and sq.primitive.name == "square":
+            out.append(made[sq.invars[0]].primitive.name)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("bad", [None, np.nan, np.inf])
+def test_sum_of_squares_reads_a_transposed_gradient_through_its_transpose(dtype, bad):
+    """A kernel's gradient is ``transpose(dot_general(...))``: in f32 the sum reads the dot's
+    output (the same values; one XNNPACK kernel on the CPU instead of a transposed copy and two
+    reductions); a bfloat16 one is summed as it is. Same value as float64 either way, and a
+    NaN / inf in the gradient still makes it non-finite."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(64, 96)), dtype)
+    if bad is not None:
+        x = x.at[5, 7].set(bad)
+    kernel = jnp.asarray(rng.normal(size=(96, 4, 16)) * 0.1, dtype)
+
+    def grads(kernel):
+        loss = lambda k: jnp.sum(jnp.tanh(jnp.einsum("bi,ihd->bhd", x, k)).astype(jnp.float32))
+        return jax.grad(loss)(kernel)
+
+    def f(kernel):
+        g = grads(kernel)
+        return numerics.sum_of_squares({"k": g}), g
+
+    got, g = jax.jit(f)(kernel)
+    if bad is None:
+        ref = float(np.sum(np.square(np.asarray(g, np.float64))))
+        assert float(got) == pytest.approx(ref, rel=1e-6)
+    else:
+        assert not np.isfinite(float(got))
+    jaxpr = jax.make_jaxpr(f)(kernel).jaxpr
+    assert any(e.primitive.name == "transpose" for e in jaxpr.eqns)  # the case this is about
+    want = "dot_general" if dtype == np.float32 else "convert_element_type"
+    assert _squared_operands(jaxpr) == [want]
+
+
+def test_traced_producer_names_the_equation_or_none():
+    from nan2safe_jax.replay import _jax_compat
+
+    seen = []
+
+    def f(a):
+        t = jnp.transpose(a, (1, 0))
+        seen.append(_jax_compat.traced_producer(t))
+        seen.append(_jax_compat.traced_producer(a))  # an argument: made by no equation
+        return t
+
+    jax.make_jaxpr(f)(jnp.ones((2, 3)))
+    name, ins, params = seen[0]
+    assert name == "transpose" and len(ins) == 1 and tuple(params["permutation"]) == (1, 0)
+    assert seen[1] is None and _jax_compat.traced_producer(jnp.ones(2)) is None
+
+
 @pytest.mark.parametrize("with_minus", [False, True])
 def test_sum_of_squares_hands_the_large_leaves_to_large_sum(with_minus):
     """``large_sum=`` (a sharded step's ``Rules.sum_of_squares``) gets exactly the large leaves,

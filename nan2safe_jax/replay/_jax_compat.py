@@ -1,4 +1,5 @@
-"""Every JAX-internal name the replay localizer touches, in one place.
+"""Every JAX-internal name the replay localizer touches, in one place (and the one
+``numerics.sum_of_squares`` reads a traced value's producer with).
 
 The localizer walks jaxprs equation by equation, which has no fully public API: it needs the
 jaxpr classes (``jax.extend.core``), ``Primitive.bind`` with the equation's bind parameters (what
@@ -44,6 +45,7 @@ __all__ = [
     "scan_params",
     "shard_map",
     "shard_map_params",
+    "traced_producer",
     "while_params",
 ]
 
@@ -246,3 +248,20 @@ def backends_initialized() -> bool:
     from jax._src import xla_bridge
 
     return bool(xla_bridge.backends_are_initialized())
+
+
+def traced_producer(x: Any) -> tuple[str, list[Any], dict[str, Any]] | None:
+    """``(primitive name, input tracers, params)`` of the equation that made ``x``, while the
+    trace that holds ``x`` is still being built; None for anything else.
+
+    ``numerics.sum_of_squares`` reads through a ``transpose`` with it. In jax 0.10 a jit
+    trace's tracer keeps the equation it came from (``DynamicJaxprTracer.parent``, a
+    ``TracingEqn`` whose ``in_tracers`` are the operands' tracers); a JAX without that
+    attribute makes this None, and the caller keeps the value it has.
+    """
+    eqn = getattr(x, "parent", None)
+    prim = getattr(eqn, "primitive", None)
+    ins = getattr(eqn, "in_tracers", None)
+    if prim is None or ins is None:
+        return None
+    return prim.name, list(ins), dict(getattr(eqn, "params", {}) or {})
