@@ -103,6 +103,16 @@ def test_sum_of_squares_of_a_difference_matches_float64(dtype, bad):
         numerics.sum_of_squares(old, minus={"p0": old["p0"]})
 
 
+def _jax_keeps_producers() -> bool:
+    """Whether this JAX's jit tracers name the equation that made them (jax 0.10 does); on one
+    that does not, ``sum_of_squares`` reads the transposed gradient as it is."""
+    from nan2safe_jax.replay import _jax_compat
+
+    seen = []
+    jax.make_jaxpr(lambda a: seen.append(_jax_compat.traced_producer(a.T)))(jnp.ones((2, 3)))
+    return seen[0] is not None
+
+
 def _squared_operands(jaxpr) -> list:
     """For every sum of squares in ``jaxpr``: the primitive that made the squared operand."""
     made = {v: e for e in jaxpr.eqns for v in e.outvars}
@@ -144,11 +154,16 @@ def test_sum_of_squares_reads_a_transposed_gradient_through_its_transpose(dtype,
     jaxpr = jax.make_jaxpr(f)(kernel).jaxpr
     assert any(e.primitive.name == "transpose" for e in jaxpr.eqns)  # the case this is about
     want = "dot_general" if dtype == np.float32 else "convert_element_type"
+    if not _jax_keeps_producers():
+        want = "transpose" if dtype == np.float32 else "convert_element_type"
     assert _squared_operands(jaxpr) == [want]
 
 
 def test_traced_producer_names_the_equation_or_none():
     from nan2safe_jax.replay import _jax_compat
+
+    if not _jax_keeps_producers():
+        pytest.skip("this JAX's tracers do not keep their equation (the caller falls back)")
 
     seen = []
 
@@ -202,3 +217,22 @@ def test_computed_once_is_fn_whatever_the_predicate(pred):
     np.testing.assert_allclose(stacked[0], np.sqrt(np.arange(5.0)) * 3.0 + 1.0, rtol=1e-6)
     hlo = jitted.lower(parts, jnp.asarray(pred)).compile().as_text()
     assert "conditional(" in hlo  # not folded: XLA reads the finished values as values
+
+
+def test_sum_of_squares_without_producers_reads_the_gradient_as_it_is(monkeypatch):
+    """A JAX whose tracers keep no equation: the same sum, of the transposed gradient."""
+    from nan2safe_jax.replay import _jax_compat
+
+    monkeypatch.setattr(_jax_compat, "traced_producer", lambda x: None)
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(64, 96)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(96, 80)) * 0.1, jnp.float32)
+
+    def f(kernel):
+        g = jax.grad(lambda k: jnp.sum(jnp.tanh(x @ k)))(kernel)
+        return numerics.sum_of_squares({"k": g}), g
+
+    got, g = jax.jit(f)(kernel)
+    ref = float(np.sum(np.square(np.asarray(g, np.float64))))
+    assert float(got) == pytest.approx(ref, rel=1e-6)
+    assert _squared_operands(jax.make_jaxpr(f)(kernel).jaxpr) == ["transpose"]
