@@ -61,10 +61,8 @@ def _unpermuted(x: jax.Array) -> jax.Array:
     Only an f32 transpose is read through: XLA:CPU sums a bfloat16 dot's output cast to f32
     at about bfloat16's precision (5e-5 relative, measured), the transposed one at f32's.
     """
-    made = _jax_compat.traced_producer(x)
-    if made is not None and made[0] == "transpose" and x.dtype == jnp.float32:
-        return made[1][0]
-    return x
+    made = _jax_compat.traced_producer(x) if x.dtype == jnp.float32 else None
+    return made[1][0] if made is not None and made[0] == "transpose" else x
 
 
 def sum_of_squares(tree, minus=None, large_sum=None) -> jax.Array:
@@ -101,10 +99,8 @@ def sum_of_squares(tree, minus=None, large_sum=None) -> jax.Array:
         raise ValueError(f"sum_of_squares: minus has {len(others)} leaves, tree {len(leaves)}")
     diff = lambda x, y: x if y is None else x - y
     large = [(x, y) for x, y in zip(leaves, others, strict=True) if x.size >= SMALL_LEAF]
-    if large_sum is None and minus is None:
-        parts = [jnp.sum(jnp.square(_unpermuted(x))) for x, _ in large]
-    elif large_sum is None:
-        parts = [jnp.sum(jnp.square(diff(x, y))) for x, y in large]
+    if large_sum is None:
+        parts = [jnp.sum(jnp.square(_unpermuted(x) if y is None else x - y)) for x, y in large]
     elif large:
         xs, ys = zip(*large, strict=True)
         parts = [large_sum(list(xs), None if minus is None else list(ys))]

@@ -153,9 +153,8 @@ def test_sum_of_squares_reads_a_transposed_gradient_through_its_transpose(dtype,
         assert not np.isfinite(float(got))
     jaxpr = jax.make_jaxpr(f)(kernel).jaxpr
     assert any(e.primitive.name == "transpose" for e in jaxpr.eqns)  # the case this is about
-    want = "dot_general" if dtype == np.float32 else "convert_element_type"
-    if not _jax_keeps_producers():
-        want = "transpose" if dtype == np.float32 else "convert_element_type"
+    f32_reads = "dot_general" if _jax_keeps_producers() else "transpose"
+    want = f32_reads if dtype == np.float32 else "convert_element_type"
     assert _squared_operands(jaxpr) == [want]
 
 
