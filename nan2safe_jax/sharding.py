@@ -428,6 +428,10 @@ class Rules:
         spec[dim] = self.fsdp_axis
         return NamedSharding(self.mesh, PartitionSpec(*spec))
 
+    def replicates(self, x) -> bool:
+        """Whether ``param_sharding`` keeps ``x`` whole on every device."""
+        return self.param_sharding(x).is_fully_replicated
+
     def sum_of_squares(self, xs: Sequence[jax.Array], ys: Sequence[jax.Array] | None = None):
         """f32[] the sum of the squares of every array of ``xs`` (of ``x - y`` with ``ys``), in
         f32, each device summing a distinct slice.

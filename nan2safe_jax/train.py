@@ -277,6 +277,7 @@ def train_step(
     fast_sites: frozenset[str] | None = None,
     partitioned: bool = False,
     large_sum: Callable | None = None,
+    replicated: Callable | None = None,
 ) -> tuple[TrainState, dict]:
     """One step (un-jitted); ``make_train_step`` jits it. See the module docstring.
 
@@ -296,7 +297,9 @@ def train_step(
     passes it with a mesh or rules): probes reduce in the form XLA's SPMD partitioner
     all-reduces (``probe.partitioned``); the same statistics. ``large_sum`` (with it,
     ``sharding.Rules.sum_of_squares``): the gradient and update sums of squares split each
-    replicated parameter-sized array over the devices (``numerics.sum_of_squares``).
+    replicated parameter-sized array over the devices (``numerics.sum_of_squares``);
+    ``replicated`` (``sharding.Rules.replicates``): which leaves the devices hold whole, the
+    only small leaves those sums concatenate.
 
     A step that is not applied (``metrics["skipped"]``) returns every variable of the state as
     it was — parameters, the optimizer's own state (Adam's moments), the model's other
@@ -318,6 +321,7 @@ def train_step(
                 fast_only,
                 fast_sites,
                 large_sum=large_sum,
+                replicated=replicated,
             )
     cfg = state.cfg
     gs = gear_lib.known_fast(state.gear) if fast_only else state.gear
@@ -342,7 +346,7 @@ def train_step(
     # One sweep over the scaled gradients gives both their finiteness (a NaN or inf anywhere
     # makes the sum non-finite) and the gradient norm. A sum that overflows f32 with finite
     # gradients means scaled gradients past ~1e19: an overflow for the loss scale all the same.
-    sgrad_sq = numerics.sum_of_squares(sgrads, large_sum=large_sum)
+    sgrad_sq = numerics.sum_of_squares(sgrads, large_sum=large_sum, replicated=replicated)
     grads_finite = jnp.isfinite(sgrad_sq)
     finite = jnp.isfinite(loss32) & grads_finite
     # A finite loss whose scaled gradients overflow is the dynamic loss scale's business: skip
@@ -409,7 +413,11 @@ def train_step(
     # an update whose norm passes ~1.8e19 reads as non-finite, a fault all the same.
     update_norm = jnp.where(
         applied,
-        jnp.sqrt(numerics.sum_of_squares(new_params, minus=state.params, large_sum=large_sum)),
+        jnp.sqrt(
+            numerics.sum_of_squares(
+                new_params, minus=state.params, large_sum=large_sum, replicated=replicated
+            )
+        ),
         0.0,
     )
     # Finite gradients whose update is not finite (an optimizer fault: a moment that
@@ -633,7 +641,9 @@ def make_train_step(
                 out_shardings=(state_sh, rules.replicated),
                 donate_argnums=donate_argnums,
             )
-            part = functools.partial(fn, partitioned=True, large_sum=rules.sum_of_squares)
+            part = functools.partial(
+                fn, partitioned=True, large_sum=rules.sum_of_squares, replicated=rules.replicates
+            )
             f = sharded[key] = with_fast_program(
                 jax.jit(part, **kw),
                 jax.jit(functools.partial(part, fast_only=True), **kw),

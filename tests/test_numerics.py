@@ -199,6 +199,29 @@ def test_sum_of_squares_hands_the_large_leaves_to_large_sum(with_minus):
     assert seen == [([(64, 64), (numerics.SMALL_LEAF,)], not with_minus, {jnp.dtype("float32")})]
 
 
+@pytest.mark.parametrize("with_minus", [False, True])
+def test_sum_of_squares_concatenates_only_the_replicated_small_leaves(with_minus):
+    """``replicated=`` (a sharded step's ``Rules.replicates``): a small leaf the devices do not
+    hold whole goes to ``large_sum`` with the large ones; the sum is the same."""
+    rng = np.random.default_rng(3)
+    shapes = [(3,), (64, 64), (8, 16), (7, 5)]
+    tree = {f"p{i}": jnp.asarray(rng.normal(size=s), jnp.float32) for i, s in enumerate(shapes)}
+    old = jax.tree_util.tree_map(lambda x: x * 0.5, tree) if with_minus else None
+    seen = []
+
+    def large_sum(xs, ys):
+        seen.append([x.shape for x in xs])
+        diff = xs if ys is None else [x - y for x, y in zip(xs, ys, strict=True)]
+        return sum(jnp.sum(jnp.square(d)) for d in diff)
+
+    split = lambda x: x.shape != (8, 16)  # noqa: E731  (the one small leaf split over devices)
+    got = numerics.sum_of_squares(tree, minus=old, large_sum=large_sum, replicated=split)
+    f64 = lambda t: [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(t)]  # noqa: E731
+    diffs = f64(tree) if old is None else [a - b for a, b in zip(f64(tree), f64(old), strict=True)]
+    assert float(got) == pytest.approx(sum(float(np.sum(d * d)) for d in diffs), rel=1e-6)
+    assert seen == [[(64, 64), (8, 16)]]
+
+
 @pytest.mark.parametrize("pred", [True, False])
 def test_computed_once_is_fn_whatever_the_predicate(pred):
     """Both branches are ``fn``: the predicate changes nothing but must survive compilation
