@@ -200,12 +200,14 @@ def _scenario_eight(out: Path) -> dict:
 D_WIDE = 64
 
 
-class Wide(nnx.Module):
-    """One parameter past ``numerics.SMALL_LEAF`` (its sums go through ``Rules.sum_of_squares``)."""
+class Mlp(nnx.Module):
+    """``d`` inputs, ``hidden`` units, one output. ``Mlp(D_WIDE, 4 * D_WIDE)`` has a kernel past
+    ``numerics.SMALL_LEAF`` (its sums go through ``Rules.sum_of_squares``); ``Mlp(D, 2 * D)``
+    has kernels over ``min_size=64`` (split under FSDP) and biases under it (replicated)."""
 
-    def __init__(self, *, rngs):
-        self.up = nnx.Linear(D_WIDE, 4 * D_WIDE, rngs=rngs)
-        self.down = nnx.Linear(4 * D_WIDE, 1, rngs=rngs)
+    def __init__(self, d, hidden, *, rngs):
+        self.up = nnx.Linear(d, hidden, rngs=rngs)
+        self.down = nnx.Linear(hidden, 1, rngs=rngs)
 
     def __call__(self, x):
         return self.down(jax.nn.relu(self.up(x)))
@@ -254,7 +256,9 @@ def _split_sums(dp, fsdp) -> dict:
     y = jnp.asarray(rng.normal(size=(32, 1)), jnp.float32)
     norms = {}
     for name, rules in (("single", None), ("dp", dp)):
-        state = nan2safe.TrainState.create(Wide(rngs=nnx.Rngs(0)), optax.adam(1e-2))
+        state = nan2safe.TrainState.create(
+            Mlp(D_WIDE, 4 * D_WIDE, rngs=nnx.Rngs(0)), optax.adam(1e-2)
+        )
         assert max(a.size for a in jax.tree_util.tree_leaves(state.params)) >= numerics.SMALL_LEAF
         step = nan2safe.make_train_step(loss_fn, rules=rules)
         state, m = step(state, (x, y))
@@ -273,17 +277,6 @@ def _all_gathers(compiled) -> int:
     return len(re.findall(r" all-gather(?:-start)?\(", compiled.as_text()))
 
 
-class Mlp(nnx.Module):
-    """Kernels over ``min_size=64`` (split under FSDP), biases under it (replicated)."""
-
-    def __init__(self, *, rngs):
-        self.up = nnx.Linear(D, 2 * D, rngs=rngs)
-        self.down = nnx.Linear(2 * D, 1, rngs=rngs)
-
-    def __call__(self, x):
-        return self.down(jax.nn.relu(self.up(x)))
-
-
 def _zero3_gathers(mesh, batch) -> dict:
     """All-gathers of a ZeRO-3 step (batch and parameters over every device; the biases
     replicated) of a plain flax model: nan2safe's FAST-only program and the plain optax step
@@ -293,11 +286,11 @@ def _zero3_gathers(mesh, batch) -> dict:
     step = nan2safe.make_train_step(loss_fn, rules=rules)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a model without sites, on purpose
-        state, _ = step(nan2safe.TrainState.create(Mlp(rngs=nnx.Rngs(0)), tx), batch)
+        state, _ = step(nan2safe.TrainState.create(Mlp(D, 2 * D, rngs=nnx.Rngs(0)), tx), batch)
     sharded_batch = sharding.shard_batch(batch, rules)
     ours = _all_gathers(step.programs[-1].lower(state, sharded_batch).compile())
 
-    graphdef, params = nnx.split(Mlp(rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(Mlp(D, 2 * D, rngs=nnx.Rngs(0)))
     opt = tx.init(params)
 
     def plain_step(params, opt, batch):
