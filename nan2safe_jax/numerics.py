@@ -105,8 +105,7 @@ def sum_of_squares(tree, minus=None, large_sum=None, replicated=None) -> jax.Arr
     if len(others) != len(leaves):
         raise ValueError(f"sum_of_squares: minus has {len(others)} leaves, tree {len(leaves)}")
     diff = lambda x, y: x if y is None else x - y
-    whole = (lambda x: True) if replicated is None else replicated
-    is_small = [x.size < SMALL_LEAF and whole(x) for x in leaves]
+    is_small = [x.size < SMALL_LEAF and (replicated is None or replicated(x)) for x in leaves]
     large = [(x, y) for x, y, s in zip(leaves, others, is_small, strict=True) if not s]
     if large_sum is None:
         parts = [jnp.sum(jnp.square(_unpermuted(x) if y is None else x - y)) for x, y in large]

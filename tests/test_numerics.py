@@ -178,6 +178,12 @@ def test_traced_producer_names_the_equation_or_none():
     assert seen[1] is None and _jax_compat.traced_producer(jnp.ones(2)) is None
 
 
+def _plain_large_sum(xs, ys):
+    """What ``large_sum`` computes, on one device."""
+    diff = xs if ys is None else [x - y for x, y in zip(xs, ys, strict=True)]
+    return sum(jnp.sum(jnp.square(d)) for d in diff)
+
+
 @pytest.mark.parametrize("with_minus", [False, True])
 def test_sum_of_squares_hands_the_large_leaves_to_large_sum(with_minus):
     """``large_sum=`` (a sharded step's ``Rules.sum_of_squares``) gets exactly the large leaves,
@@ -190,8 +196,7 @@ def test_sum_of_squares_hands_the_large_leaves_to_large_sum(with_minus):
 
     def large_sum(xs, ys):
         seen.append(([x.shape for x in xs], ys is None, {x.dtype for x in xs}))
-        diff = xs if ys is None else [x - y for x, y in zip(xs, ys, strict=True)]
-        return sum(jnp.sum(jnp.square(d)) for d in diff)
+        return _plain_large_sum(xs, ys)
 
     got = float(numerics.sum_of_squares(tree, minus=old, large_sum=large_sum))
     want = float(numerics.sum_of_squares(tree, minus=old))
@@ -211,8 +216,7 @@ def test_sum_of_squares_concatenates_only_the_replicated_small_leaves(with_minus
 
     def large_sum(xs, ys):
         seen.append([x.shape for x in xs])
-        diff = xs if ys is None else [x - y for x, y in zip(xs, ys, strict=True)]
-        return sum(jnp.sum(jnp.square(d)) for d in diff)
+        return _plain_large_sum(xs, ys)
 
     split = lambda x: x.shape != (8, 16)  # noqa: E731  (the one small leaf split over devices)
     got = numerics.sum_of_squares(tree, minus=old, large_sum=large_sum, replicated=split)

@@ -93,7 +93,7 @@ def _scenario_eight(out: Path) -> dict:
                 hlo = step.programs[-1].lower(state, sharding.shard_batch((x[0], y[0]), dp))
                 hlo = hlo.compile().as_text()
                 res["dp_collectives"] = {
-                    op: len(re.findall(rf" {op}(?:-start)?\(", hlo))
+                    op: _count_op(hlo, op)
                     for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute")
                 }
             if donate:
@@ -273,8 +273,9 @@ def _split_sums(dp, fsdp) -> dict:
     return out
 
 
-def _all_gathers(compiled) -> int:
-    return len(re.findall(r" all-gather(?:-start)?\(", compiled.as_text()))
+def _count_op(hlo: str, op: str) -> int:
+    """How many ``op`` instructions (or their async ``-start`` halves) a program's text holds."""
+    return len(re.findall(rf" {op}(?:-start)?\(", hlo))
 
 
 def _zero3_gathers(mesh, batch) -> dict:
@@ -288,7 +289,9 @@ def _zero3_gathers(mesh, batch) -> dict:
         warnings.simplefilter("ignore")  # a model without sites, on purpose
         state, _ = step(nan2safe.TrainState.create(Mlp(D, 2 * D, rngs=nnx.Rngs(0)), tx), batch)
     sharded_batch = sharding.shard_batch(batch, rules)
-    ours = _all_gathers(step.programs[-1].lower(state, sharded_batch).compile())
+    ours = _count_op(
+        step.programs[-1].lower(state, sharded_batch).compile().as_text(), "all-gather"
+    )
 
     graphdef, params = nnx.split(Mlp(D, 2 * D, rngs=nnx.Rngs(0)))
     opt = tx.init(params)
@@ -305,7 +308,8 @@ def _zero3_gathers(mesh, batch) -> dict:
         in_shardings=(place(params), place(opt), batch_sh),
         out_shardings=(place(params), place(opt)),
     )
-    return {"ours": ours, "plain": _all_gathers(plain.lower(params, opt, batch).compile())}
+    plain_hlo = plain.lower(params, opt, batch).compile().as_text()
+    return {"ours": ours, "plain": _count_op(plain_hlo, "all-gather")}
 
 
 def _scenario_four(out: Path) -> dict:
