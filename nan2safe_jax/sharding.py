@@ -33,6 +33,7 @@ decision (a replay every process runs on the same gathered arguments) is checked
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -360,6 +361,39 @@ def _axes(axis) -> tuple[str, ...]:
     return (axis,) if isinstance(axis, str) else tuple(axis)
 
 
+# ``Rules.sum_of_squares`` shares whole arrays out over at least this many devices holding the
+# same shards, and slices each array over fewer. A device's share runs in one conditional,
+# after every array in it is ready, where slices run as each array is; over 8 devices that
+# share is an eighth of the sweep, over 2 a half. Measured (one-process A/B, demo model,
+# 8 simulated CPU devices, 2026-12-06): over 8 (data parallel) the shares ran 0.96-0.99x the
+# slices at 1 and 8 sequences per device; over 2 (ZeRO-3's data axis) 0.97x at 1 sequence
+# per device but 1.03x at 8.
+SHARE_MIN_DEVICES = 4
+
+
+def balanced_bins(sizes: Sequence[int], k: int) -> list[list[int]]:
+    """``k`` bins of the indices of ``sizes``, each index in one, the bins' totals balanced.
+
+    Largest first, each into the bin with the smallest total so far (the longest-processing-
+    time rule: the fullest bin holds at most 4/3 of the best possible split's). Ties go to
+    the lowest bin, so every process builds the same bins.
+
+    Args:
+      sizes: a size per item (e.g. elements of an array).
+      k: the number of bins (>= 1).
+
+    Returns:
+      ``k`` lists of indices into ``sizes`` (some empty when there are fewer items than bins).
+    """
+    bins: list[list[int]] = [[] for _ in range(k)]
+    load = [0] * k
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        j = load.index(min(load))
+        bins[j].append(i)
+        load[j] += sizes[i]
+    return bins
+
+
 @dataclasses.dataclass(frozen=True)
 class Rules:
     """Where each array goes on ``mesh``. Build with ``data_parallel`` or ``fsdp``.
@@ -434,17 +468,23 @@ class Rules:
 
     def sum_of_squares(self, xs: Sequence[jax.Array], ys: Sequence[jax.Array] | None = None):
         """f32[] the sum of the squares of every array of ``xs`` (of ``x - y`` with ``ys``), in
-        f32, each device summing a distinct slice.
+        f32, each device summing a distinct share.
 
         The train step's gradient and update sums read every parameter-sized array of the
         step. An array the rules replicate over some mesh axes (every axis under data
         parallelism, the data axis under FSDP) was summed whole on each device of those axes:
         the same sweep on every device (+42% bytes per device over a plain data-parallel step
         of the demo model). Here, inside a ``shard_map`` that takes each array as the rules
-        place it (so nothing upstream changes layout), each device sums a ``1/k`` slice of its
-        own shard, ``k`` the devices that hold the same shard, and one all-reduce adds the
-        partial sums (XLA merges it with the step's others). An array whose shard does not
-        divide by ``k`` is summed as before.
+        place it (so nothing upstream changes layout), the ``k`` devices that hold the same
+        shards share them out, and one all-reduce adds the partial sums (XLA merges it with
+        the step's others). With ``k >= SHARE_MIN_DEVICES`` each device sums whole shards, a
+        ``1/k`` share of the elements (``balanced_bins``; one ``lax.switch`` on the device's
+        index picks its share), so only the kernels of its own share run. Below that, and for
+        a shard larger than a device's share, each device sums a ``1/k`` slice of the shard:
+        XLA:CPU writes each dynamic slice out in a kernel of its own (the slices were 137 of
+        the 1,030 kernels of a data-parallel step of the demo model before 2026-12-06, each
+        run on every device; 893 kernels with the shares). A shard that does not divide by
+        ``k`` is summed whole on every device.
 
         Args:
           xs: arrays (any float dtype; summed in f32), laid out as ``param_sharding`` says.
@@ -457,7 +497,8 @@ class Rules:
         f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
         sq = lambda x, y: jnp.sum(jnp.square(f32(x) if y is None else f32(x) - f32(y)))  # noqa: E731
         total = jnp.zeros([], jnp.float32)
-        split, layout = [], []  # the arrays to split, and each one's (spec, rest axes, k)
+        split, specs = [], []  # the arrays to share out, and each one's placement
+        groups: dict[tuple[tuple[str, ...], int], list[int]] = {}  # (rest, k) -> their indices
         for x, y in zip(xs, ys, strict=True):
             spec = self.param_sharding(x).spec
             used = {a for part in spec if part for a in _axes(part)}
@@ -465,29 +506,46 @@ class Rules:
             k = math.prod(self.mesh.shape[a] for a in rest)
             shard = math.prod(np.shape(x)) // math.prod(self.mesh.shape[a] for a in used)
             if k > 1 and shard % k == 0:
+                groups.setdefault((rest, k), []).append(len(split))
                 split.append((x, y))
-                layout.append((spec, rest, k))
+                specs.append(spec)
             else:
                 total = total + sq(x, y)
         if not split:
             return total
         axes = tuple(self.mesh.axis_names)
 
-        def slice_of(a, rest, k):
-            """This device's ``1/k`` of its shard ``a`` (``k`` devices along ``rest`` hold it)."""
-            flat = jnp.reshape(a, (k, -1))
-            return jax.lax.dynamic_index_in_dim(flat, jax.lax.axis_index(rest), 0, keepdims=False)
+        def sliced(x, y, rest, k):
+            """The sum over this device's ``1/k`` of the shards ``x`` (and ``y``): ``k``
+            devices along ``rest`` hold them."""
+            at = jax.lax.axis_index(rest)
+            cut = lambda a: jax.lax.dynamic_index_in_dim(a.reshape(k, -1), at, 0, keepdims=False)  # noqa: E731
+            return sq(cut(x), None if y is None else cut(y))
+
+        def share(n, shares):
+            """Device ``n``'s share: the sum over the pairs ``shares[n]``, each summed whole."""
+            return sum((sq(x, y) for x, y in shares[n]), jnp.zeros([], jnp.float32))
 
         def local(split):
             s = jnp.zeros([], jnp.float32)
-            for (x, y), (_, rest, k) in zip(split, layout, strict=True):
-                s = s + sq(slice_of(x, rest, k), None if y is None else slice_of(y, rest, k))
+            for (rest, k), idx in groups.items():
+                sizes = {i: np.size(split[i][0]) for i in idx}
+                share_out = k >= SHARE_MIN_DEVICES
+                whole = [i for i in idx if share_out and sizes[i] * k <= sum(sizes.values())]
+                for i in idx:
+                    if i not in whole:
+                        s = s + sliced(*split[i], rest, k)
+                if whole:
+                    bins = balanced_bins([sizes[i] for i in whole], k)
+                    shares = [[split[whole[j]] for j in b] for b in bins]
+                    branches = [functools.partial(share, n) for n in range(k)]
+                    s = s + jax.lax.switch(jax.lax.axis_index(rest), branches, shares)
             return jax.lax.psum(s, axes)
 
         in_specs = (
             [
                 (spec, None if y is None else spec)
-                for (_, y), (spec, _, _) in zip(split, layout, strict=True)
+                for (_, y), spec in zip(split, specs, strict=True)
             ],
         )
         summed = jax.shard_map(

@@ -8,6 +8,7 @@ before JAX starts; it prints one JSON line that the tests assert on.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -213,6 +214,22 @@ class Mlp(nnx.Module):
         return self.down(jax.nn.relu(self.up(x)))
 
 
+class Tower(nnx.Module):
+    """``depth`` layers of ``D_WIDE x D_WIDE`` (kernels of ``numerics.SMALL_LEAF`` elements,
+    each an eighth of the large ones' total or less) before ``Mlp(D_WIDE, 4 * D_WIDE)``
+    (its kernel more than an eighth): a data-parallel step on 8 devices sums the small
+    kernels a whole one per device (``sharding.balanced_bins``) and slices the big one."""
+
+    def __init__(self, depth, *, rngs):
+        self.layers = nnx.List([nnx.Linear(D_WIDE, D_WIDE, rngs=rngs) for _ in range(depth)])
+        self.head = Mlp(D_WIDE, 4 * D_WIDE, rngs=rngs)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jax.nn.relu(layer(x))
+        return self.head(x)
+
+
 def _slice_sizes(hlo: str) -> list[int]:
     """The element counts of the ``dynamic-slice``s in a compiled program's text."""
     return [
@@ -240,15 +257,24 @@ def _split_sums(dp, fsdp) -> dict:
         f = jax.jit(rules.sum_of_squares)
         bad = [x.copy() for x in xs]
         bad[0][-1, -1] = np.nan  # in the last device's slice
+        bad_share = [x.copy() for x in xs]
+        bad_share[3][-1, -1] = np.nan  # in an array one device sums whole
         out[name] = {
             "sum": float(f(put(xs))),
             "sum_minus": float(f(put(xs), put(ys))),
             "nan": float(f(put(bad))),
+            "nan_share": float(f(put(bad_share))),
         }
-    # What each device reduces under data parallelism: its slice, never a whole array.
+    # What each device reduces under data parallelism: a slice of an array larger than its
+    # share (an eighth of the elements), never a whole one; the smaller arrays whole, one
+    # device each: not sliced.
     one = [jax.device_put(xs[0], dp.replicated)]
     hlo = jax.jit(dp.sum_of_squares).lower(one).compile().as_text()
     out["dp_slices"] = _slice_sizes(hlo)
+    every = [jax.device_put(x, dp.replicated) for x in xs]
+    out["dp_slices_every"] = _slice_sizes(
+        jax.jit(dp.sum_of_squares).lower(every).compile().as_text()
+    )
     out["size"] = xs[0].size
     # A step of a model with a large parameter: the same gradient and update norms.
     rng = np.random.default_rng(2)
@@ -256,9 +282,7 @@ def _split_sums(dp, fsdp) -> dict:
     y = jnp.asarray(rng.normal(size=(32, 1)), jnp.float32)
     norms = {}
     for name, rules in (("single", None), ("dp", dp)):
-        state = nan2safe.TrainState.create(
-            Mlp(D_WIDE, 4 * D_WIDE, rngs=nnx.Rngs(0)), optax.adam(1e-2)
-        )
+        state = nan2safe.TrainState.create(Tower(8, rngs=nnx.Rngs(0)), optax.adam(1e-2))
         assert max(a.size for a in jax.tree_util.tree_leaves(state.params)) >= numerics.SMALL_LEAF
         step = nan2safe.make_train_step(loss_fn, rules=rules)
         state, m = step(state, (x, y))
@@ -270,6 +294,7 @@ def _split_sums(dp, fsdp) -> dict:
             out["step_slices"] = _slice_sizes(hlo)
     out["norms"] = norms
     out["wide_size"] = D_WIDE * 4 * D_WIDE
+    out["layer_size"] = D_WIDE * D_WIDE
     return out
 
 
@@ -398,20 +423,25 @@ def test_a_zero3_step_gathers_no_more_than_the_plain_step(runs):
     assert 0 < g["ours"] <= g["plain"], g
 
 
-def test_replicated_parameters_are_summed_a_slice_per_device(runs):
-    """``Rules.sum_of_squares``: the float64 sums under data parallelism and FSDP, NaN in one
-    device's slice reaches every device, each data-parallel device reduces an eighth of the
-    array, and a data-parallel step of a model with a large parameter has the single-device
-    step's gradient and update norms."""
+def test_replicated_parameters_are_shared_out_over_the_devices(runs):
+    """``Rules.sum_of_squares``: the float64 sums under data parallelism and FSDP; a NaN in
+    one device's slice, or in an array one device sums whole (data parallel: 8 devices hold
+    each array, ``sharding.SHARE_MIN_DEVICES`` or more), reaches every device; under data
+    parallelism an array larger than a device's share is reduced an eighth per device and
+    the others whole (no slice of them); a data-parallel step of a model with both kinds has
+    the single-device step's gradient and update norms, and slices only the large one."""
     eight, _ = runs
     sp = eight["split_sums"]
     for name in ("dp", "fsdp"):
         assert sp[name]["sum"] == pytest.approx(sp["want"], rel=1e-5)
         assert sp[name]["sum_minus"] == pytest.approx(sp["want_minus"], rel=1e-5)
         assert np.isnan(sp[name]["nan"])
+        assert np.isnan(sp[name]["nan_share"])
     assert sp["dp_slices"] and max(sp["dp_slices"]) == sp["size"] // 8, sp["dp_slices"]
+    assert set(sp["dp_slices_every"]) == {sp["size"] // 8}, sp["dp_slices_every"]
     np.testing.assert_allclose(sp["norms"]["dp"], sp["norms"]["single"], rtol=1e-5)
     assert sp["wide_size"] // 8 in sp["step_slices"], sp["step_slices"]  # the step's sums, too
+    assert sp["layer_size"] // 8 not in sp["step_slices"], sp["step_slices"]
 
 
 def test_a_partial_program_runs_a_sharded_step_with_a_site_in_safe(runs):
@@ -484,6 +514,33 @@ def test_checkpoint_from_8_devices_restores_on_a_1x4_mesh(runs):
 
 
 # ----------------------------------------------------------------- one device, in process
+
+
+def _best_makespan(sizes: list[int], k: int) -> int:
+    """The reference: the smallest possible fullest bin, by trying every assignment."""
+    return min(
+        max(sum(s for s, b in zip(sizes, bins, strict=True) if b == j) for j in range(k))
+        for bins in itertools.product(range(k), repeat=len(sizes))
+    )
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+def test_balanced_bins_is_a_partition_within_the_lpt_bound_of_the_best(k):
+    """``sharding.balanced_bins`` (the devices' shares of ``Rules.sum_of_squares``): ``k`` bins
+    holding every index once, the fullest within the longest-processing-time bound
+    (4/3 - 1/(3k)) of the best split found by brute force, and the same bins on every call
+    (every process of a multi-host run must build the same program)."""
+    rng = np.random.default_rng(k)
+    for _ in range(20):
+        n = int(rng.integers(0, 7 if k < 5 else 6))
+        sizes = [int(v) for v in rng.integers(1, 1000, size=n)]
+        bins = sharding.balanced_bins(sizes, k)
+        assert len(bins) == k
+        assert sorted(i for b in bins for i in b) == list(range(n))
+        fullest = max(sum(sizes[i] for i in b) for b in bins)
+        if n:
+            assert fullest <= (4 / 3 - 1 / (3 * k)) * _best_makespan(sizes, k) + 1e-9
+        assert sharding.balanced_bins(list(sizes), k) == bins
 
 
 def test_rules_validate_their_axes():
