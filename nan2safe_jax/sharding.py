@@ -387,10 +387,10 @@ def balanced_bins(sizes: Sequence[int], k: int) -> list[list[int]]:
     """
     bins: list[list[int]] = [[] for _ in range(k)]
     load = [0] * k
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+    for item in sorted(range(len(sizes)), key=lambda n: (-sizes[n], n)):
         j = load.index(min(load))
-        bins[j].append(i)
-        load[j] += sizes[i]
+        bins[j].append(item)
+        load[j] += sizes[item]
     return bins
 
 
@@ -477,14 +477,14 @@ class Rules:
         of the demo model). Here, inside a ``shard_map`` that takes each array as the rules
         place it (so nothing upstream changes layout), the ``k`` devices that hold the same
         shards share them out, and one all-reduce adds the partial sums (XLA merges it with
-        the step's others). With ``k >= SHARE_MIN_DEVICES`` each device sums whole shards, a
-        ``1/k`` share of the elements (``balanced_bins``; one ``lax.switch`` on the device's
-        index picks its share), so only the kernels of its own share run. Below that, and for
-        a shard larger than a device's share, each device sums a ``1/k`` slice of the shard:
-        XLA:CPU writes each dynamic slice out in a kernel of its own (the slices were 137 of
-        the 1,030 kernels of a data-parallel step of the demo model before 2026-12-06, each
-        run on every device; 893 kernels with the shares). A shard that does not divide by
-        ``k`` is summed whole on every device.
+        the step's others). With ``k >= SHARE_MIN_DEVICES`` each device sums whole shards,
+        about a ``1/k`` share of the elements (``balanced_bins``; one ``lax.switch`` on the
+        device's index picks its share), so only the kernels of its own share run. Below
+        that, and for a shard larger than a device's share, each device sums a ``1/k`` slice
+        of the shard: XLA:CPU writes each dynamic slice out in a kernel of its own (84 slices
+        in a data-parallel step of the demo model before 2026-12-06, 137 of its 1,030 kernels
+        with their reductions, each run on every device; 893 kernels with the shares). A
+        shard that does not divide by ``k`` is summed whole on every device.
 
         Args:
           xs: arrays (any float dtype; summed in f32), laid out as ``param_sharding`` says.
@@ -497,8 +497,8 @@ class Rules:
         f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
         sq = lambda x, y: jnp.sum(jnp.square(f32(x) if y is None else f32(x) - f32(y)))  # noqa: E731
         total = jnp.zeros([], jnp.float32)
-        split, specs = [], []  # the arrays to share out, and each one's placement
-        groups: dict[tuple[tuple[str, ...], int], list[int]] = {}  # (rest, k) -> their indices
+        shared, specs = [], []  # the (x, y) pairs summed in the shard_map, and their placements
+        groups: dict[tuple[str, ...], list[int]] = {}  # the axes holding copies -> pair indices
         for x, y in zip(xs, ys, strict=True):
             spec = self.param_sharding(x).spec
             used = {a for part in spec if part for a in _axes(part)}
@@ -506,12 +506,12 @@ class Rules:
             k = math.prod(self.mesh.shape[a] for a in rest)
             shard = math.prod(np.shape(x)) // math.prod(self.mesh.shape[a] for a in used)
             if k > 1 and shard % k == 0:
-                groups.setdefault((rest, k), []).append(len(split))
-                split.append((x, y))
+                groups.setdefault(rest, []).append(len(shared))
+                shared.append((x, y))
                 specs.append(spec)
             else:
                 total = total + sq(x, y)
-        if not split:
+        if not shared:
             return total
         axes = tuple(self.mesh.axis_names)
 
@@ -526,18 +526,18 @@ class Rules:
             """Device ``n``'s share: the sum over the pairs ``shares[n]``, each summed whole."""
             return sum((sq(x, y) for x, y in shares[n]), jnp.zeros([], jnp.float32))
 
-        def local(split):
+        def local(pairs):
             s = jnp.zeros([], jnp.float32)
-            for (rest, k), idx in groups.items():
-                sizes = {i: np.size(split[i][0]) for i in idx}
-                share_out = k >= SHARE_MIN_DEVICES
-                whole = [i for i in idx if share_out and sizes[i] * k <= sum(sizes.values())]
-                for i in idx:
-                    if i not in whole:
-                        s = s + sliced(*split[i], rest, k)
+            for rest, idx in groups.items():
+                k = math.prod(self.mesh.shape[a] for a in rest)
+                sizes = {i: np.size(pairs[i][0]) for i in idx}
+                group_total = sum(sizes.values())
+                whole = [i for i in idx if k >= SHARE_MIN_DEVICES and sizes[i] * k <= group_total]
+                for i in sorted(set(idx) - set(whole)):
+                    s = s + sliced(*pairs[i], rest, k)
                 if whole:
                     bins = balanced_bins([sizes[i] for i in whole], k)
-                    shares = [[split[whole[j]] for j in b] for b in bins]
+                    shares = [[pairs[whole[j]] for j in b] for b in bins]
                     branches = [functools.partial(share, n) for n in range(k)]
                     s = s + jax.lax.switch(jax.lax.axis_index(rest), branches, shares)
             return jax.lax.psum(s, axes)
@@ -545,12 +545,12 @@ class Rules:
         in_specs = (
             [
                 (spec, None if y is None else spec)
-                for (_, y), spec in zip(split, specs, strict=True)
+                for (_, y), spec in zip(shared, specs, strict=True)
             ],
         )
         summed = jax.shard_map(
             local, mesh=self.mesh, in_specs=in_specs, out_specs=PartitionSpec(), check_vma=False
-        )(split)
+        )(shared)
         return total + summed
 
 
