@@ -498,7 +498,8 @@ class Rules:
         sq = lambda x, y: jnp.sum(jnp.square(f32(x) if y is None else f32(x) - f32(y)))  # noqa: E731
         total = jnp.zeros([], jnp.float32)
         shared, specs = [], []  # the (x, y) pairs summed in the shard_map, and their placements
-        groups: dict[tuple[str, ...], list[int]] = {}  # the axes holding copies -> pair indices
+        # the axes holding copies -> (k, [(pair index, shard size)])
+        groups: dict[tuple[str, ...], tuple[int, list[tuple[int, int]]]] = {}
         for x, y in zip(xs, ys, strict=True):
             spec = self.param_sharding(x).spec
             used = {a for part in spec if part for a in _axes(part)}
@@ -506,7 +507,7 @@ class Rules:
             k = math.prod(self.mesh.shape[a] for a in rest)
             shard = math.prod(np.shape(x)) // math.prod(self.mesh.shape[a] for a in used)
             if k > 1 and shard % k == 0:
-                groups.setdefault(rest, []).append(len(shared))
+                groups.setdefault(rest, (k, []))[1].append((len(shared), shard))
                 shared.append((x, y))
                 specs.append(spec)
             else:
@@ -528,16 +529,16 @@ class Rules:
 
         def local(pairs):
             s = jnp.zeros([], jnp.float32)
-            for rest, idx in groups.items():
-                k = math.prod(self.mesh.shape[a] for a in rest)
-                sizes = {i: np.size(pairs[i][0]) for i in idx}
-                group_total = sum(sizes.values())
-                whole = [i for i in idx if k >= SHARE_MIN_DEVICES and sizes[i] * k <= group_total]
-                for i in sorted(set(idx) - set(whole)):
-                    s = s + sliced(*pairs[i], rest, k)
+            for rest, (k, members) in groups.items():
+                group_total = sum(n for _, n in members)
+                fits = k >= SHARE_MIN_DEVICES
+                whole = [(i, n) for i, n in members if fits and n * k <= group_total]
+                for i, n in members:
+                    if (i, n) not in whole:
+                        s = s + sliced(*pairs[i], rest, k)
                 if whole:
-                    bins = balanced_bins([sizes[i] for i in whole], k)
-                    shares = [[pairs[whole[j]] for j in b] for b in bins]
+                    bins = balanced_bins([n for _, n in whole], k)
+                    shares = [[pairs[whole[j][0]] for j in b] for b in bins]
                     branches = [functools.partial(share, n) for n in range(k)]
                     s = s + jax.lax.switch(jax.lax.axis_index(rest), branches, shares)
             return jax.lax.psum(s, axes)
