@@ -213,10 +213,11 @@ class Linear(_Site):
 
     def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
         _no_sharding("Linear", out_sharding)
-        inputs, kernel, bias = self.promote_dtype(
-            (jnp.asarray(inputs), self.kernel[...], _value(self.bias)), dtype=self.dtype
-        )
-        with self._scope():
+        with self._scope():  # the promotion's casts are the site's (tier 2 names it)
+            stored = (self.kernel[...], _value(self.bias))
+            inputs, kernel, bias = self.promote_dtype(
+                (jnp.asarray(inputs), *stored), dtype=self.dtype
+            )
             y = ops.linear(
                 inputs,
                 kernel,
@@ -224,6 +225,7 @@ class Linear(_Site):
                 gear=self._gear(),
                 precision=self.precision,
                 preferred_element_type=self.preferred_element_type,
+                safe_operands=stored,
             )
             if self.probe_output is not None and probe_enabled("linear_output"):
                 _write(self.probe_output, cheap_stats(y))
@@ -287,10 +289,11 @@ class LinearGeneral(_Site):
 
     def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
         _no_sharding("LinearGeneral", out_sharding)
-        inputs, kernel, bias = self.promote_dtype(
-            (jnp.asarray(inputs), self.kernel[...], _value(self.bias)), dtype=self.dtype
-        )
-        with self._scope():
+        with self._scope():  # the promotion's casts are the site's (tier 2 names it)
+            stored = (self.kernel[...], _value(self.bias))
+            inputs, kernel, bias = self.promote_dtype(
+                (jnp.asarray(inputs), *stored), dtype=self.dtype
+            )
             return ops.linear(
                 inputs,
                 kernel,
@@ -299,6 +302,7 @@ class LinearGeneral(_Site):
                 precision=self.precision,
                 preferred_element_type=self.preferred_element_type,
                 contract=len(self.in_features),
+                safe_operands=stored,
             )
 
 
@@ -340,8 +344,8 @@ class Embed(_Site):
         inputs = jnp.asarray(inputs)
         if not jnp.issubdtype(inputs.dtype, jnp.integer):
             raise ValueError(f"Embed: inputs must be integers, got {inputs.dtype}")
-        (emb,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
         with self._scope():
+            (emb,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
             if self.num_embeddings == 1:
                 y = jnp.broadcast_to(emb, inputs.shape + (self.features,))
             else:
@@ -353,9 +357,10 @@ class Embed(_Site):
     def attend(self, query: jax.Array, out_sharding: Any = None) -> jax.Array:
         """``query @ embedding.T``: logits over the embeddings (gear-switched)."""
         _no_sharding("Embed.attend", out_sharding)
-        q, emb = self.promote_dtype((jnp.asarray(query), self.embedding[...]), dtype=self.dtype)
         with self._scope():
-            return ops.linear(q, emb.T, None, gear=self._gear())
+            stored = self.embedding[...]
+            q, emb = self.promote_dtype((jnp.asarray(query), stored), dtype=self.dtype)
+            return ops.linear(q, emb.T, None, gear=self._gear(), safe_operands=(stored.T, None))
 
 
 def _check_last_axis(reduction_axes, feature_axes, name):
@@ -429,10 +434,10 @@ class LayerNorm(_Site):
         self.probe_input = _new_probe()
 
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
-        x, scale, bias = self.promote_dtype(
-            (jnp.asarray(x), _value(self.scale), _value(self.bias)), dtype=self.dtype
-        )
         with self._scope():
+            x, scale, bias = self.promote_dtype(
+                (jnp.asarray(x), _value(self.scale), _value(self.bias)), dtype=self.dtype
+            )
             y, st = ops.layer_norm(
                 x,
                 scale,
@@ -512,8 +517,8 @@ class RMSNorm(_Site):
         self.probe_input = _new_probe()
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-        x, scale = self.promote_dtype((jnp.asarray(x), _value(self.scale)), dtype=self.dtype)
         with self._scope():
+            x, scale = self.promote_dtype((jnp.asarray(x), _value(self.scale)), dtype=self.dtype)
             y, st = ops.rms_norm(
                 x,
                 scale,

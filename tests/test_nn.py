@@ -219,6 +219,42 @@ def test_fault_injection_and_one_layer_safe(tiny):
         _set_gears(model, 0)
 
 
+def _fp16_layer(kind):
+    """``(layer, x, weight path, f32 forward)`` of an fp16 layer with f32 weights."""
+    rngs, x = nnx.Rngs(0), jnp.asarray(np.full((2, 4), 1e-3), jnp.float16)
+    if kind == "Linear":
+        layer = nn.Linear(4, 3, dtype=jnp.float16, rngs=rngs)
+        return layer, x, "kernel", lambda w: x.astype(jnp.float32) @ w + layer.bias[...]
+    if kind == "LinearGeneral":
+        layer = nn.LinearGeneral(4, (3, 2), dtype=jnp.float16, rngs=rngs)
+        ref = lambda w: jnp.einsum("bi,ijk->bjk", x.astype(jnp.float32), w) + layer.bias[...]
+        return layer, x, "kernel", ref
+    layer = nn.Embed(3, 4, dtype=jnp.float16, rngs=rngs)
+    return layer, x, "embedding", lambda w: x.astype(jnp.float32) @ w.T
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LinearGeneral", "Embed.attend"])
+def test_an_fp16_layer_whose_f32_weight_overflows_the_cast_is_located_and_safe_computes_it(kind):
+    """A stored f32 weight past 65504 is inf once promoted to fp16. Tier 2 names the site (the
+    promotion is inside its scope, not an anonymous cast before it), and SAFE computes the
+    layer from the stored weights, as the f32 reference does."""
+    from nan2safe_jax import replay
+
+    layer, x, name, ref = _fp16_layer(kind)
+    w = getattr(layer, name)
+    w[...] = w[...].reshape(-1).at[1].set(1e5).reshape(w.shape)
+    call = layer.attend if kind == "Embed.attend" else layer
+    out = {}
+    for g in (0, 2):
+        layer.gear[...] = jnp.asarray(g, layer.gear[...].dtype)
+        out[g] = call(x)
+    assert out[0].dtype == out[2].dtype == jnp.float16 and not _finite(out[0])
+    np.testing.assert_allclose(np.asarray(out[2], np.float32), ref(w[...]), rtol=2e-3, atol=1e-3)
+    layer.gear[...] = jnp.asarray(0, layer.gear[...].dtype)
+    report = replay.locate(jax.make_jaxpr(call)(x), (x,))
+    assert report.primitive == "convert_element_type" and report.site == type(layer).__name__
+
+
 def test_router_fault_injection():
     """fp16 router scores past 65504 (growing router weights): NaN gates in FAST, SAFE fixes."""
     router = nn.Router(8, 4, 2, dtype=F16, rngs=nnx.Rngs(0))

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from tiny_models import LLVM_O0, Net, data, loss_fn, make_fragile
+from tiny_models import LLVM_O0, D, Net, data, loss_fn, make_fragile
 
 from nan2safe_jax import Config, Gear, Trainer, cli
 from nan2safe_jax import nn as nan2safe_nn
@@ -89,6 +89,39 @@ def test_fault_is_located_put_in_safe_and_recovers(tmp_path):
     assert cli.main(["report", str(tmp_path / "run")]) == 0
     png = tmp_path / "run" / "dashboard.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _Fp16Mlp(nnx.Module):
+    """flax layers computing in fp16 over f32 parameters (the usual mixed precision)."""
+
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(D, 16, dtype=jnp.float16, rngs=rngs)
+        self.l2 = nnx.Linear(16, 1, dtype=jnp.float16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(nnx.relu(self.l1(x)))
+
+
+def test_an_fp16_layer_whose_f32_weight_overflows_the_cast_is_located_and_run_in_safe(tmp_path):
+    """One f32 weight past 65504 is inf once the layer casts it to fp16. Tier 2 names that
+    layer (not "outside every site"), and SAFE there computes it from the f32 weight."""
+    net = _Fp16Mlp(nnx.Rngs(0))
+    net.l1.kernel[...] = net.l1.kernel[...].at[0, 0].set(7e4)
+    x, y = data(4, scale=[1e-4] * 4)  # inputs ~1e-4: the true activations stay small
+    tr = Trainer(nan2safe_nn.convert(net), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
+    hist = tr.fit([(x[i], y[i]) for i in range(4)], steps=4)
+    locate = [e for e in tr.events if e["type"] == "locate"]
+    assert [e["step"] for e in locate] == [0], _types(tr.events)
+    rep = locate[0]["report"]
+    assert (rep["site"], rep["primitive"], rep["direction"]) == (
+        "l1",
+        "convert_element_type",
+        "forward",
+    )
+    assert [e["site"] for e in tr.events if e["type"] == "safe_enter"] == ["l1"]
+    assert hist[0]["skipped"] and all(h["finite"] and not h["skipped"] for h in hist[1:])
+    assert all(h["safe_sites"] == ["l1"] for h in hist[1:])
+    tr.close()
 
 
 def test_nan_in_the_data_is_reported_as_data(tmp_path):
