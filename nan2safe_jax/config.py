@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 from nan2safe_jax.probe import DEFAULT_PROBES, PROBE_KINDS
 
@@ -112,6 +113,14 @@ class Config:
     probes: tuple[str, ...] = DEFAULT_PROBES
 
     def __post_init__(self):
+        # numpy scalars (a value read from an array, a sweep's np.arange) count as the Python
+        # numbers they hold, and are stored as those: a Config is hashed as a static argument.
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if type(v).__module__ == "numpy" and isinstance(v, numbers.Real):
+                py = int(v) if isinstance(v, numbers.Integral) else float(v)
+                object.__setattr__(self, f.name, py)
+
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)
 

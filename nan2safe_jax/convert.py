@@ -419,8 +419,10 @@ def convert(
     model = visit(model, ())
     sites = name_sites(model)
     done = []
-    for path, cls, _, stack in converted:
-        names = tuple(n for n in sites if not path or n == path or n.startswith(path + "."))
+    for path, cls, new, stack in converted:
+        # The site's own name: a layer reached under two attributes is named by one of them.
+        root = path and getattr(new, "site_name", path)
+        names = tuple(n for n in sites if not root or n == root or n.startswith(root + "."))
         done.append(Converted(path, cls, names, stack))
     report = ConvertReport(tuple(done), tuple(left), sites)
     log.info("nan2safe.nn.convert:\n%s", report)

@@ -73,3 +73,21 @@ def test_invalid_value_names_the_field(field, value):
     with pytest.raises(ValueError, match=field) as info:
         Config(**{field: value})
     assert repr(value) in str(info.value)
+
+
+def test_numpy_scalars_count_as_the_numbers_they_hold():
+    """A value read from an array (``np.int64``, ``np.float32``) is accepted and stored as the
+    Python number, so the Config hashes as the one written with literals; a float given for an
+    int field, a numpy bool and a NaN are still refused by name."""
+    np = pytest.importorskip("numpy")
+    cfg = Config(window=np.int64(64), z_threshold=np.float32(4.5), safe_lr_factor=np.float64(0.1))
+    assert type(cfg.window) is int and type(cfg.z_threshold) is float
+    assert cfg == Config(window=64, z_threshold=4.5, safe_lr_factor=0.1)
+    assert hash(cfg) == hash(Config(window=64, z_threshold=4.5, safe_lr_factor=0.1))
+    for field, value in (
+        ("window", np.float64(64)),
+        ("window", np.bool_(True)),
+        ("z_threshold", np.float32("nan")),
+    ):
+        with pytest.raises(ValueError, match=f"Config.{field}"):
+            Config(**{field: value})

@@ -192,6 +192,29 @@ def test_report_names_sites_and_what_was_left_alone(pair):
     assert "blocks.attn: nnx.MultiHeadAttention stacked [2]" in text and "extra.odd" in text
 
 
+def test_a_layer_under_two_attributes_is_one_site_named_in_the_report():
+    """A tied layer (the same module under two attributes) becomes one site, shared under both
+    names; the report names that site on its converted line, not an empty list plus "already
+    sites"."""
+
+    class Tied(nnx.Module):
+        def __init__(self, rngs):
+            self.shared = nnx.Linear(4, 4, rngs=rngs)
+            self.a = self.shared
+            self.mha = nnx.MultiHeadAttention(2, 4, qkv_features=4, decode=False, rngs=rngs)
+            self.b = self.mha
+
+    model, report = nn.convert(Tied(nnx.Rngs(0)), return_report=True)
+    assert model.a is model.shared and isinstance(model.a, nn.Linear)
+    got = {c.path: c.sites for c in report.converted}
+    assert len(got) == 2 and set(report.sites) == {n for names in got.values() for n in names}
+    (linear,) = (names for names in got.values() if len(names) == 1)
+    assert linear[0] in ("a", "shared")
+    (mha,) = (names for names in got.values() if len(names) == 5)
+    assert {n.split(".")[0] for n in mha} in ({"mha"}, {"b"})
+    assert "already sites" not in str(report) and " -> \n" not in str(report) + "\n"
+
+
 def test_include_exclude_and_bad_arguments():
     m, rep = nn.convert(Model(nnx.Rngs(0)), exclude=["blocks.*", nnx.Embed], return_report=True)
     assert isinstance(m.blocks.ln, nnx.LayerNorm) and isinstance(m.embed, nnx.Embed)
