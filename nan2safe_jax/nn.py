@@ -214,9 +214,8 @@ class Linear(_Site):
     def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
         _no_sharding("Linear", out_sharding)
         with self._scope():  # the promotion's casts are the site's (tier 2 names it)
-            stored = (self.kernel[...], _value(self.bias))
-            inputs, kernel, bias = self.promote_dtype(
-                (jnp.asarray(inputs), *stored), dtype=self.dtype
+            inputs, kernel, bias = _promoted(
+                self.promote_dtype, inputs, self.kernel[...], _value(self.bias), self.dtype
             )
             y = ops.linear(
                 inputs,
@@ -225,11 +224,22 @@ class Linear(_Site):
                 gear=self._gear(),
                 precision=self.precision,
                 preferred_element_type=self.preferred_element_type,
-                safe_operands=stored,
             )
             if self.probe_output is not None and probe_enabled("linear_output"):
                 _write(self.probe_output, cheap_stats(y))
         return y
+
+
+def _promoted(promote, inputs, kernel, bias, dtype):
+    """``promote((inputs, kernel, bias), dtype=dtype)``, except that with flax's own
+    ``promote_dtype`` the weights come back as stored: ``ops.linear`` casts them to the
+    inputs' dtype in FAST and STABLE, as ``promote_dtype`` would, and to f32 in SAFE, so SAFE
+    computes an fp16 layer from its f32 weights, not from their cast (inf past 65504). A
+    custom ``promote_dtype`` gives its own operands to every gear."""
+    if promote is not _promote:
+        return promote((jnp.asarray(inputs), kernel, bias), dtype=dtype)
+    dtype = flax_dtypes.canonicalize_dtype(inputs, kernel, bias, dtype=dtype)
+    return jnp.asarray(inputs, dtype), kernel, bias
 
 
 def _tuple(x) -> tuple[int, ...]:
@@ -290,9 +300,8 @@ class LinearGeneral(_Site):
     def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
         _no_sharding("LinearGeneral", out_sharding)
         with self._scope():  # the promotion's casts are the site's (tier 2 names it)
-            stored = (self.kernel[...], _value(self.bias))
-            inputs, kernel, bias = self.promote_dtype(
-                (jnp.asarray(inputs), *stored), dtype=self.dtype
+            inputs, kernel, bias = _promoted(
+                self.promote_dtype, inputs, self.kernel[...], _value(self.bias), self.dtype
             )
             return ops.linear(
                 inputs,
@@ -302,7 +311,6 @@ class LinearGeneral(_Site):
                 precision=self.precision,
                 preferred_element_type=self.preferred_element_type,
                 contract=len(self.in_features),
-                safe_operands=stored,
             )
 
 
@@ -358,9 +366,8 @@ class Embed(_Site):
         """``query @ embedding.T``: logits over the embeddings (gear-switched)."""
         _no_sharding("Embed.attend", out_sharding)
         with self._scope():
-            stored = self.embedding[...]
-            q, emb = self.promote_dtype((jnp.asarray(query), stored), dtype=self.dtype)
-            return ops.linear(q, emb.T, None, gear=self._gear(), safe_operands=(stored.T, None))
+            q, emb, _ = _promoted(self.promote_dtype, query, self.embedding[...], None, self.dtype)
+            return ops.linear(q, emb.T, None, gear=self._gear())
 
 
 def _check_last_axis(reduction_axes, feature_axes, name):
@@ -923,9 +930,9 @@ class Router(_Site):
 
     def __call__(self, x: jax.Array) -> ops.Routing:
         kernel = self.kernel[...]
-        x = jnp.asarray(x)
-        x = x.astype(_compute_dtype(x, self.dtype, kernel))
         with self._scope():
+            x = jnp.asarray(x)
+            x = x.astype(_compute_dtype(x, self.dtype, kernel))
             kernel = kernel * _read(self.logit_scale, 1.0).astype(kernel.dtype)
             r, st = ops.router(x, kernel, self.top_k, gear=self._gear(), return_stats=True)
             _write_if(self.probe_logits, st, "logits", "router_logits")

@@ -7,9 +7,10 @@ output type, and a site must not change the dtype its caller sees when the gear 
 STABLE therefore gets its range from f32 accumulation and a *saturating* cast back (an fp16
 output past 65504 becomes ±65504, not inf); SAFE adds power-of-two range compression and
 ``Precision.HIGHEST``. For f32 operands and output STABLE is FAST (decided at trace time):
-the gears share one compiled path. Given ``safe_operands`` (a site passes its parameters as
-stored, e.g. f32 master weights of an fp16 layer), SAFE reads those instead of the cast ones:
-a weight past fp16's 65504 is inf after the cast, in every gear but SAFE.
+the gears share one compiled path. Each path casts the kernel and bias itself: FAST and
+STABLE to ``x``'s dtype (what flax's ``promote_dtype`` does), SAFE to f32 from the values
+passed. A site passes its weights as stored (f32 master weights of an fp16 layer), so a weight
+past fp16's 65504, inf once cast, is still computed by SAFE.
 """
 
 from __future__ import annotations
@@ -43,8 +44,13 @@ def _add_bias(y, bias):
     return y + jnp.reshape(bias, (1,) * (y.ndim - bias.ndim) + bias.shape)
 
 
-def _linear_fast(x, kernel, bias, wide, *, n, precision, pet):
-    del wide
+def _in_dtype(x, kernel, bias):
+    """``kernel`` and ``bias`` cast to ``x``'s dtype: FAST's and STABLE's operands."""
+    return kernel.astype(x.dtype), None if bias is None else bias.astype(x.dtype)
+
+
+def _linear_fast(x, kernel, bias, *, n, precision, pet):
+    kernel, bias = _in_dtype(x, kernel, bias)
     kw = {} if pet is None else {"preferred_element_type": pet}
     y = lax.dot_general(x, kernel, _dims(x, n), precision=precision, **kw)
     return _add_bias(y, bias)
@@ -54,17 +60,15 @@ def _out_dtype(x, pet):
     return jnp.dtype(x.dtype if pet is None else pet)
 
 
-def _linear_stable(x, kernel, bias, wide, *, n, precision, pet):
-    del wide
+def _linear_stable(x, kernel, bias, *, n, precision, pet):
+    kernel, bias = _in_dtype(x, kernel, bias)
     y = lax.dot_general(x, kernel, _dims(x, n), precision=precision, preferred_element_type=_F32)
     y = _add_bias(y, None if bias is None else bias.astype(_F32))
     return _saturate(y, _out_dtype(x, pet))
 
 
-def _linear_safe(x, kernel, bias, wide, *, n, precision, pet):
+def _linear_safe(x, kernel, bias, *, n, precision, pet):
     del precision
-    if wide is not None:
-        kernel, bias = wide
     xf, kf = x.astype(_F32), kernel.astype(_F32)
     ex, ek = _range_exponent(xf), _range_exponent(kf)
     y = lax.dot_general(xf * _pow2(-ex), kf * _pow2(-ek), _dims(x, n), precision=_HIGHEST)
@@ -82,31 +86,27 @@ def linear(
     precision: Any = None,
     preferred_element_type: Any = None,
     contract: int = 1,
-    safe_operands: tuple[Any, Any] | None = None,
 ) -> jax.Array:
     """``x @ kernel + bias``, contracting the last ``contract`` axes of ``x``.
 
     Args:
       x: ``[..., *in_shape]`` with ``len(in_shape) == contract``.
-      kernel: ``[*in_shape, *out_shape]``; cast to ``x.dtype`` (flax's ``promote_dtype`` is
-        the module's job: pass operands of one dtype to get exactly flax's FAST result).
-      bias: ``out_shape`` or None (cast to ``x.dtype``).
+      kernel: ``[*in_shape, *out_shape]``, in any float dtype: FAST and STABLE cast it to
+        ``x.dtype`` (flax's ``promote_dtype`` of the weights; the input's promotion is the
+        module's job), SAFE to f32. Pass the weights as stored (f32 weights of an fp16 layer)
+        so that SAFE computes from their values, not from their fp16 cast.
+      bias: ``out_shape`` or None, cast like ``kernel``.
       gear: FAST/STABLE/SAFE.
       precision: ``lax.Precision`` for FAST/STABLE (SAFE always uses HIGHEST).
       preferred_element_type: FAST's accumulation and output dtype (flax's argument).
       contract: how many trailing axes of ``x`` are contracted (``LinearGeneral``'s axes).
-      safe_operands: optional ``(kernel, bias)`` as the layer stores them, before its dtype
-        promotion: SAFE computes from these, in f32, where their dtype has a wider range than
-        ``x``'s (f32 parameters of an fp16 layer; a weight past 65504 is inf once cast, and
-        only SAFE then still computes the layer). Same shapes as ``kernel`` and ``bias``.
 
     Returns:
       ``[..., *out_shape]`` in ``preferred_element_type`` or ``x``'s float dtype, every gear.
     """
     x, kernel = jnp.asarray(x), jnp.asarray(kernel)
     x = x.astype(_float_dtype(x))
-    kernel = kernel.astype(x.dtype)
-    bias = None if bias is None else jnp.asarray(bias).astype(x.dtype)
+    bias = None if bias is None else jnp.asarray(bias)
     n = int(contract)
     if kernel.ndim < n + 1 or x.shape[x.ndim - n :] != kernel.shape[:n]:
         raise ValueError(
@@ -114,30 +114,11 @@ def linear(
             f"out...], got {kernel.shape}"
         )
     pet = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
-    wide = _wider(safe_operands, kernel, bias)
     kw = dict(n=n, precision=precision, pet=pet)
     branches = [functools.partial(f, **kw) for f in (_linear_fast, _linear_stable, _linear_safe)]
     if _stable_is_fast(x.dtype, pet):
         branches[1] = branches[0]  # one path for both gears: XLA compiles it once
-    return switch(gear, branches, x, kernel, bias, wide)
-
-
-def _wider(safe_operands, kernel, bias):
-    """``safe_operands`` where casting them to ``kernel``'s dtype can overflow, else None (the
-    cast operands are then the same values, and SAFE needs no operands of its own)."""
-    if safe_operands is None:
-        return None
-    wk, wb = (None if a is None else jnp.asarray(a) for a in safe_operands)
-    if wk is None or wk.shape != kernel.shape or (wb is None) != (bias is None):
-        raise ValueError("linear: safe_operands must be (kernel, bias) shaped like the operands")
-    if wb is not None and wb.shape != bias.shape:
-        raise ValueError("linear: safe_operands must be (kernel, bias) shaped like the operands")
-    narrows = lambda a: (
-        a is not None
-        and jnp.issubdtype(a.dtype, jnp.floating)
-        and float(jnp.finfo(a.dtype).max) > float(jnp.finfo(kernel.dtype).max)
-    )
-    return (wk, wb) if narrows(wk) or narrows(wb) else None
+    return switch(gear, branches, x, kernel, bias)
 
 
 def _stable_is_fast(dtype, pet) -> bool:
