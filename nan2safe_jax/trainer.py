@@ -349,6 +349,9 @@ class Trainer:
                 {k: m[k] for k in m if k not in ("probe_risk",)} | {"step": done.step}
             )
         restart = None
+        # A SAFE stay that ended before this step is logged before an incident of this step
+        # can start the next one: the log reads exit, then enter.
+        self._safe_exits(done.step, m)
         if m["incident"] or m["polluted"]:
             restart = self._incident(done, m)
         self._gear_events(done.step, m)
@@ -386,6 +389,9 @@ class Trainer:
             )
         elif m["next_gear"] < m["gear"] and m["next_gear"] == Gear.FAST:
             self.log.append("recover", step_no, to=m["next_gear"])
+
+    def _safe_exits(self, step_no: int, m: dict) -> None:
+        """``safe_exit`` for each site in SAFE at the step before that ran ``step_no`` out of it."""
         for name, g in m["site_gears"].items():
             was = self._last_sites.get(name)
             if was is not None and np.max(was) >= Gear.SAFE and np.max(g) < Gear.SAFE:

@@ -124,6 +124,24 @@ def test_an_fp16_layer_whose_f32_weight_overflows_the_cast_is_located_and_run_in
     tr.close()
 
 
+def test_a_fault_back_as_its_safe_stay_ends_logs_the_exit_before_the_new_enter(tmp_path):
+    """The constant row again at step 12, the first step after the SAFE stay (steps 9-11): the
+    log reads the stay's exit, then the new locate and enter, all at step 12, so a reader of
+    the events (the dashboard's fallback) sees the site in SAFE from 13 on, not a 1-step
+    stay."""
+    model, tx, loss, cfg = make_fragile()
+    tr = Trainer(model, tx, loss, cfg, tmp_path / "run")
+    tr.fit(_batches(14, bad={8: "constant_row", 12: "constant_row"}), steps=14)
+    got = [(e["type"], e["step"]) for e in tr.events if e["type"] != "checkpoint"]
+    assert got[got.index(("safe_exit", 12)) :][:3] == [
+        ("safe_exit", 12),
+        ("locate", 12),
+        ("safe_enter", 12),
+    ], got
+    assert [e["site"] for e in tr.events if e["type"] == "safe_enter"] == ["blocks.0"] * 2
+    tr.close()
+
+
 def test_nan_in_the_data_is_reported_as_data(tmp_path):
     tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
     hist = tr.fit(_batches(6, bad={2: "nan"}), steps=6)
