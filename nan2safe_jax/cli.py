@@ -42,7 +42,8 @@ def _locate(args) -> int:
     model, tx, loss_fn, cfg = load_factory(spec)()
     template = TrainState.create(model, tx, cfg)
     state, batch = load_incident(workdir, args.step, template)
-    step = make_train_step(loss_fn)
+    # The step as the run built it: a loss with aux outputs (``Trainer(has_aux=True)``).
+    step = make_train_step(loss_fn, has_aux=bool(run.get("has_aux", False)))
     report = replay.locate_step(step.jitted, state, batch)
     print(report)
     if args.json:

@@ -211,7 +211,10 @@ class Trainer:
         self.step = 0
         self._last_sites: dict[str, Any] = {}
         (self.workdir / "run.json").write_text(
-            json.dumps({"factory": factory, "config": dataclasses.asdict(self.cfg)}, indent=1)
+            json.dumps(
+                {"factory": factory, "config": dataclasses.asdict(self.cfg), "has_aux": has_aux},
+                indent=1,
+            )
         )
         if resume:
             self._resume()

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from tiny_models import LLVM_O0, D, Net, data, loss_fn, make_fragile
+from tiny_models import LLVM_O0, D, Net, data, loss_fn, make_fragile, make_fragile_aux
 
 from nan2safe_jax import Config, Gear, Trainer, cli
 from nan2safe_jax import nn as nan2safe_nn
@@ -140,6 +140,22 @@ def test_a_fault_back_as_its_safe_stay_ends_logs_the_exit_before_the_new_enter(t
     ], got
     assert [e["site"] for e in tr.events if e["type"] == "safe_enter"] == ["blocks.0"] * 2
     tr.close()
+
+
+def test_offline_locate_rebuilds_a_step_whose_loss_has_aux_outputs(tmp_path):
+    """``nan2safe locate`` rebuilds the step as the run built it: a ``has_aux`` loss (recorded
+    in ``run.json``) returns ``(loss, aux)``, which a step built without it refuses."""
+    model, tx, loss, cfg = make_fragile_aux()
+    run = tmp_path / "run"
+    tr = Trainer(model, tx, loss, cfg, run, has_aux=True, factory="tiny_models:make_fragile_aux")
+    tr.fit(_batches(4, bad={2: "constant_row"}), steps=4)
+    tr.close()
+    (online,) = [e["report"] for e in tr.events if e["type"] == "locate"]
+    assert json.loads((run / "run.json").read_text())["has_aux"] is True
+    out = tmp_path / "offline.json"
+    assert cli.main(["locate", str(run), "--step", "2", "--json", str(out)]) == 0
+    offline = json.loads(out.read_text())
+    assert (offline["primitive"], offline["site"]) == (online["primitive"], online["site"])
 
 
 def test_nan_in_the_data_is_reported_as_data(tmp_path):

@@ -133,3 +133,15 @@ def make_fragile():
 
     cfg = Config(checkpoint_every=5, safe_max_steps=3, recovery_window=8, min_history=8)
     return FragileNet(rngs=nnx.Rngs(0)), optax.adam(1e-2), loss_fn, cfg
+
+
+def loss_with_aux(model, batch):
+    """``loss_fn`` and the mean prediction as aux (a ``has_aux=True`` loss)."""
+    x, _ = batch
+    return loss_fn(model, batch), {"mean_out": jnp.mean(model(x).astype(jnp.float32))}
+
+
+def make_fragile_aux():
+    """``make_fragile`` with ``loss_with_aux``: for ``Trainer(has_aux=True, factory=...)``."""
+    model, tx, _, cfg = make_fragile()
+    return model, tx, loss_with_aux, cfg
