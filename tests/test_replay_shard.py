@@ -49,6 +49,10 @@ def test_shard_map_and_pmap_name_the_shard():
         "shard_map_one_input": ("div", "sm_div", "inf", 5),
         "pmap": ("log", "pmap_log", "nan", 6),
         "grad_pmap": ("div", "gp_sqrt", "inf", 3),  # d sqrt(x) = 0.5 / sqrt(x) at x = 0
+        # jax.make_mesh's default axes (Explicit in jax 0.10), and a fault made from the
+        # device's own index, which the replay's liveness loop must carry as device-varying
+        "explicit_mesh": ("log", "sm_log", "nan", 2),
+        "axis_index": ("sqrt", "sm_idx", "nan", 3),
     }.items():
         r = out[case]
         assert r["primitive"] == prim, (case, r)
@@ -96,7 +100,18 @@ def _cases() -> dict:
         return jax.pmap(lambda x: jnp.sqrt(x).sum())(x).sum()  # FAULT:gp_sqrt
 
     xg = jnp.arange(1.0, 17.0).reshape(8, 2).at[3, 0].set(0.0)
+
+    explicit = jax.make_mesh((8,), ("i",))  # the default axis types
+    sm_e = jax.jit(jax.shard_map(psum_body, mesh=explicit, in_specs=P("i"), out_specs=P()))
+
+    def idx_body(x):
+        y = jnp.where(jax.lax.axis_index("i") == 3, -1.0, 1.0) * x
+        return jax.lax.psum(jnp.sqrt(y).sum(), "i")  # FAULT:sm_idx
+
+    sm_i = jax.jit(jax.shard_map(idx_body, mesh=mesh, in_specs=P("i"), out_specs=P()))
     return {
+        "explicit_mesh": loc(sm_e, jax.device_put(x, jax.NamedSharding(explicit, P("i")))),
+        "axis_index": loc(sm_i, jnp.arange(1.0, 17.0)),
         "shard_map_psum": loc(sm, x),
         "shard_map_one_input": loc(sm2, jnp.ones((16, 4)), d),
         "pmap": loc(pm, xp),

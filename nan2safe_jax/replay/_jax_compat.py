@@ -212,7 +212,7 @@ def shard_map_params(eqn: Any) -> dict[str, Any]:
     ``check_vma`` and the body ``jaxpr`` (open) with its ``consts``."""
     p = eqn.params
     jaxpr, consts = open_jaxpr(p["jaxpr"])
-    mesh = p["mesh"]
+    mesh = _auto_axes(p["mesh"])
     manual = p.get("newly_manual_axes", p.get("axis_names", frozenset(mesh.axis_names)))
     axes = tuple(a for a in mesh.axis_names if a in manual)
     return dict(
@@ -224,6 +224,18 @@ def shard_map_params(eqn: Any) -> dict[str, Any]:
         jaxpr=jaxpr,
         consts=consts,
     )
+
+
+def _auto_axes(mesh: Any) -> Any:
+    """``mesh`` with every axis ``Auto``. A replay runs a ``shard_map`` again on arguments it
+    gathered to one device; an ``Explicit`` axis (``jax.make_mesh``'s default in jax 0.10)
+    makes ``shard_map`` check their sharding against ``in_specs`` and refuse them. The body
+    runs with its axes manual either way."""
+    types = getattr(mesh, "axis_types", None)
+    auto = getattr(getattr(jax.sharding, "AxisType", None), "Auto", None)
+    if not types or auto is None or not hasattr(mesh, "update") or all(t == auto for t in types):
+        return mesh
+    return mesh.update(axis_types=(auto,) * len(types))
 
 
 def shard_map(fn: Any, mesh: Any, in_specs: Any, out_specs: Any, axes: Any, check_vma: bool):

@@ -293,7 +293,12 @@ class Ctx:
             new = base | (nonfin & value_any(via))
             return new, jnp.any(new != live)
 
-        live, _ = jax.lax.while_loop(lambda s: s[1], grow, (base, jnp.asarray(True)))
+        # The carry is made from ``base`` and ``nonfin``, so that inside a ``shard_map`` it
+        # varies over the devices as the body's result does (a constant ``True`` does not, and
+        # ``while_loop`` refuses the mismatch when a fault depends on ``axis_index``).
+        live0 = base | (nonfin & False)
+        again = jnp.any(live0) | ~jnp.any(live0)
+        live, _ = jax.lax.while_loop(lambda s: s[1], grow, (live0, again))
         return eqn_any((nonfin & live).astype(jnp.int8)) | jnp.asarray(given | ~has_out)
 
     def any_flags(self) -> Any:
