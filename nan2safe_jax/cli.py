@@ -39,9 +39,22 @@ def _locate(args) -> int:
         )
         return 2
     sys.path.insert(0, str(Path.cwd()))
-    model, tx, loss_fn, cfg = load_factory(spec)()
+    try:
+        factory = load_factory(spec)
+    except (ImportError, AttributeError, ValueError) as err:
+        print(
+            f"cannot load the factory {spec!r} (run from the directory it imports from, or "
+            f"pass --factory): {type(err).__name__}: {err}",
+            file=sys.stderr,
+        )
+        return 2
+    model, tx, loss_fn, cfg = factory()
     template = TrainState.create(model, tx, cfg)
-    state, batch = load_incident(workdir, args.step, template)
+    try:
+        state, batch = load_incident(workdir, args.step, template)
+    except FileNotFoundError as err:
+        print(err, file=sys.stderr)
+        return 2
     # The step as the run built it: a loss with aux outputs (``Trainer(has_aux=True)``).
     step = make_train_step(loss_fn, has_aux=bool(run.get("has_aux", False)))
     report = replay.locate_step(step.jitted, state, batch)

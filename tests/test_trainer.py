@@ -142,7 +142,7 @@ def test_a_fault_back_as_its_safe_stay_ends_logs_the_exit_before_the_new_enter(t
     tr.close()
 
 
-def test_offline_locate_rebuilds_a_step_whose_loss_has_aux_outputs(tmp_path):
+def test_offline_locate_rebuilds_a_step_whose_loss_has_aux_outputs(tmp_path, capsys):
     """``nan2safe locate`` rebuilds the step as the run built it: a ``has_aux`` loss (recorded
     in ``run.json``) returns ``(loss, aux)``, which a step built without it refuses."""
     model, tx, loss, cfg = make_fragile_aux()
@@ -156,6 +156,12 @@ def test_offline_locate_rebuilds_a_step_whose_loss_has_aux_outputs(tmp_path):
     assert cli.main(["locate", str(run), "--step", "2", "--json", str(out)]) == 0
     offline = json.loads(out.read_text())
     assert (offline["primitive"], offline["site"]) == (online["primitive"], online["site"])
+    # no incident at that step, or a factory that does not import: a message, not a traceback
+    capsys.readouterr()
+    assert cli.main(["locate", str(run), "--step", "3"]) == 2
+    assert "no incident saved for step 3" in capsys.readouterr().err
+    assert cli.main(["locate", str(run), "--step", "2", "--factory", "no_such_mod:f"]) == 2
+    assert "cannot load the factory 'no_such_mod:f'" in capsys.readouterr().err
 
 
 def test_nan_in_the_data_is_reported_as_data(tmp_path):
