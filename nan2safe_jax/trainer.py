@@ -429,8 +429,10 @@ class Trainer:
         rd["seconds"] = rd.get("seconds") or time.perf_counter() - t0
         if decision.kind == "polluted_input":
             rows = report.channels.get(0, [])
+            # the rows are of the batch leaf itself: its axis 0 is the batch
+            extra = {} if self.rules is None else {"shards": self._shards(report, batch, True)}
             self.log.append(
-                "polluted_input", done.step, report=rd, leaf=report.input_path, rows=rows
+                "polluted_input", done.step, report=rd, leaf=report.input_path, rows=rows, **extra
             )
         elif decision.kind == "transient":
             self.log.append(
@@ -571,11 +573,12 @@ class Trainer:
         )
         return _Restart(state, [(b, True) for _, b in replay], discard=discard)
 
-    def _shards(self, report, batch) -> dict:
-        """Which data shard / devices held the culprit's bad rows (its axis 0 = the batch)."""
+    def _shards(self, report, batch, of_batch: bool = False) -> dict:
+        """Which data shard / devices held the culprit's bad rows (its axis 0 = the batch);
+        ``of_batch``: the report's rows are a batch leaf's own (a polluted input)."""
         sizes = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(batch) if np.ndim(x) > 0}
         rows = report.channels.get(0)
-        shape = report.output_shape
+        shape = (next(iter(sizes)),) if of_batch and len(sizes) == 1 else report.output_shape
         if len(sizes) != 1 or not rows or not shape or shape[0] != next(iter(sizes)):
             return {
                 "shards": None,

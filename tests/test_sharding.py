@@ -32,6 +32,7 @@ from nan2safe_jax import numerics, probe, sharding  # noqa: E402
 from nan2safe_jax.checkpoint import Checkpointer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+NAN_ROW = 3  # in data shard 0 (rows 0-15 of 32)
 BAD_ROW = 20  # in data shard 1 of 2 (rows 16..31 of a 32-row batch)
 STEPS = 20
 
@@ -160,6 +161,8 @@ def _scenario_eight(out: Path) -> dict:
         xi = np.array(tx_[i])
         if i in (8, 9):
             xi[BAD_ROW, :] = 1.5
+        if i == 5:
+            xi[NAN_ROW, 3] = np.nan  # a polluted batch: data shard 0's rows
         batches.append((jnp.asarray(xi), ty_[i]))
     hist = tr.fit(batches, steps=12)
     res["trainer"] = {
@@ -487,6 +490,9 @@ def test_locate_names_the_data_shard(runs):
     assert BAD_ROW in t["report_channels"]["0"]
     shards = loc["shards"]
     assert shards["shards"] == [1] and shards["num_shards"] == 2
+    (polluted,) = [e for e in t["events"] if e["type"] == "polluted_input"]
+    assert polluted["step"] == 5 and polluted["shards"]["shards"] == [0]
+    assert polluted["shards"]["by_shard"][0]["rows"] == [NAN_ROW]
     assert shards["by_shard"][0]["rows"] == [BAD_ROW]
     assert shards["devices"] == [4, 5, 6, 7]  # mesh row 1 of the 2x4 mesh
     assert t["finite"][9]  # the site went SAFE: the repeated fault is absorbed
