@@ -120,8 +120,9 @@ class Site(nnx.Module):
         with site_scope(self.site_name), branch_site(self.site_name):
             out = ops.switch(self._gear(), [path(f) for f in self.paths], *operands)
             if self.probe_output is not None:
-                leaves = jax.tree_util.tree_leaves(out)
-                floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]
+                # not ``leaves``: the paths read that name when the backward recomputes them
+                outs = jax.tree_util.tree_leaves(out)
+                floats = [x for x in outs if jnp.issubdtype(x.dtype, jnp.floating)]
                 if floats:
                     stats = probe_lib.sampled_stats(floats[0])
                     if isinstance(self.probe_output.get_value(), jax.ShapeDtypeStruct):

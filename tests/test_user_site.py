@@ -146,6 +146,42 @@ def test_tier2_outside_every_site_says_so_and_does_not_pretend(runs):
     assert "the gears cannot fix it" in again.action
 
 
+def _two_outputs(x, k):
+    return x * k, x + k
+
+
+def _normalised(x, *, axis, scale):
+    return scale * x / jnp.sum(x, axis=axis, keepdims=True)
+
+
+@pytest.mark.parametrize("gear", [0, 1, 2])
+@pytest.mark.parametrize("probe", [False, True])
+def test_a_probed_site_with_static_arguments_has_the_plain_gradient_at_every_gear(probe, gear):
+    """A traced gear recomputes the path in the backward with the call's own static arguments
+    (a float, a keyword ``axis``): the probe's reading of the output does not leak into them.
+    Reference: the plain functions' gradients."""
+
+    class M(nnx.Module):
+        def __init__(self):
+            self.a = nn.Site(_two_outputs, safe=_two_outputs, probe=probe)
+            self.b = nn.Site(_normalised, safe=_normalised, probe=probe)
+
+        def __call__(self, x):
+            u, v = self.a(x, 3.0)
+            w = self.b(x + 1.0, axis=-1, scale=jnp.float32(2.0))
+            return jnp.sum(u) + jnp.sum(v) + jnp.sum(w**2)
+
+    def plain(x):
+        u, v = _two_outputs(x, 3.0)
+        return jnp.sum(u) + jnp.sum(v) + jnp.sum(_normalised(x + 1.0, axis=-1, scale=2.0) ** 2)
+
+    m, x = M(), jnp.arange(4.0)
+    for s in (m.a, m.b):
+        s.gear[...] = jnp.asarray(gear, s.gear[...].dtype)
+    got = nnx.jit(nnx.grad(lambda m, x: m(x), argnums=1))(m, x)  # jit: the gear is traced
+    np.testing.assert_allclose(got, jax.grad(plain)(x), rtol=1e-6)
+
+
 def test_site_validates_its_paths():
     with pytest.raises(ValueError, match="safe must be callable"):
         nn.Site(pool, safe=3)
