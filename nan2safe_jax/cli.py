@@ -57,7 +57,7 @@ def _locate(args) -> int:
         return 2
     # The step as the run built it: a loss with aux outputs (``Trainer(has_aux=True)``).
     step = make_train_step(loss_fn, has_aux=bool(run.get("has_aux", False)))
-    report = replay.locate_step(step.jitted, state, batch)
+    report = replay.locate_step(step, state, batch)  # the program the run replayed
     print(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_dict(), indent=1, default=str))

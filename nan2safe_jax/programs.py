@@ -49,7 +49,7 @@ import numpy as np
 
 from nan2safe_jax import gear as gear_lib
 
-__all__ = ["StepPrograms", "all_fast", "background_default", "fast_sites"]
+__all__ = ["StepPrograms", "all_fast", "background_default", "fast_sites", "program_for"]
 
 
 def background_default() -> bool:
@@ -61,6 +61,26 @@ def background_default() -> bool:
         "no",
         "off",
     )
+
+
+def program_for(step: Any, state: Any) -> Any:
+    """The compiled program a ``make_train_step`` step runs for ``state``: its FAST-only one
+    for an all-FAST state, else its general one (what tier 2 replays; the step itself commits
+    its state on the host, so it cannot be traced). Anything else is returned as it is.
+
+    Args:
+      step: a ``make_train_step`` result, or any function.
+      state: the ``TrainState`` the step is called with.
+
+    Returns:
+      A jitted function of ``(state, batch)``, or ``step``.
+    """
+    jitted = getattr(step, "jitted", None)
+    if jitted is None:
+        return step
+    fast = getattr(step, "jitted_fast", None)
+    gear = getattr(state, "gear", None)
+    return fast if fast is not None and gear is not None and all_fast(gear) else jitted
 
 
 def all_fast(gs: gear_lib.GearState) -> bool:

@@ -415,11 +415,7 @@ class Trainer:
             batch = sharding_lib.shard_batch(batch, self.rules)
             before, batch = sharding_lib.to_local((before, batch))
         # Replay the program that ran the step: the FAST-only one for an all-FAST state.
-        program = self.step_fn.jitted
-        if getattr(self.step_fn, "jitted_fast", None) is not None and programs.all_fast(
-            before.gear
-        ):
-            program = self.step_fn.jitted_fast
+        program = programs.program_for(self.step_fn, before)
         decision = incidents.decide(program, before, batch, done.after, m, self.cfg)
         report = decision.report
         where = [getattr(report, k, None) for k in ("site", "primitive")]

@@ -258,3 +258,30 @@ def test_the_fast_program_decides_the_next_gears_the_general_program_decides():
             k: int(v) for k, v in mb["site_gears"].items()
         }, what
     assert int(a.gear.level) == Gear.FAST  # the polluted batch left the gears alone
+
+
+def test_locate_step_takes_the_step_make_train_step_returns():
+    """``replay.locate_step(step, state, batch)`` with the step a user holds: it replays the
+    program that step runs for ``state`` (FAST-only for an all-FAST state, else general), as
+    the Trainer does; the step itself commits its state on the host and cannot be traced."""
+    from tiny_models import make_fragile
+
+    from nan2safe_jax import replay
+
+    model, tx, lf, cfg = make_fragile()
+    state = TrainState.create(model, tx, cfg)
+    step = make_train_step(lf)
+    x, y = data(1)
+    bad = (x[0].at[3, :].set(1.5), y[0])  # a constant row: 0/0 in the fragile norm
+    assert programs.program_for(step, state) is step.jitted_fast
+    report = replay.locate_step(step, state, bad)
+    assert report.primitive in ("div", "sqrt", "rsqrt") and report.site == "blocks.0"
+    direct = replay.locate_step(step.jitted_fast, state, bad)
+    assert (report.primitive, report.site, report.source) == (
+        direct.primitive,
+        direct.site,
+        direct.source,
+    )
+    moved = state.replace(gear=G.set_level(state.gear, Gear.STABLE))
+    assert programs.program_for(step, moved) is step.jitted
+    assert programs.program_for(lf, state) is lf  # any other function: as it is

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nan2safe_jax import programs
 from nan2safe_jax.replay import _jax_compat as jc
 from nan2safe_jax.replay import interpret, rules
 from nan2safe_jax.replay.report import (
@@ -324,7 +325,8 @@ def locate_step(step_fn: Any, *args: Any, check: bool = True) -> Report:
     is run once more and the replay must reproduce which of its outputs are finite, inf or NaN.
 
     Args:
-      step_fn: the (jitted) step.
+      step_fn: the (jitted) step; a ``make_train_step`` step replays the program it runs for
+        ``args[0]`` (``programs.program_for``: FAST-only or general).
       *args: its arguments.
       check: run the fidelity check (one extra call of ``step_fn``).
 
@@ -337,6 +339,8 @@ def locate_step(step_fn: Any, *args: Any, check: bool = True) -> Report:
       fail).
     """
     t0 = time.perf_counter()
+    if args:
+        step_fn = programs.program_for(step_fn, args[0])
     jaxpr = jax.make_jaxpr(step_fn)(*args)
     expected = _production_codes(step_fn, jaxpr, args) if check else None
     report, sess = _run(jaxpr, args, expected)
