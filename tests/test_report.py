@@ -201,6 +201,24 @@ def test_print_summary_renders_table(run_dir):
     for text in ("steps run", "downshifts", "incidents located", "blocks.1.attn", "div", "0/0"):
         assert text in out
     assert "100.0 ms" in out and s["steps"] == 121
+    assert "model.py:42" in out  # no user_source in this report: its own source
+
+
+def test_incident_table_shows_the_model_line_of_a_built_in_site(tmp_path):
+    """A built-in site's culprit is a library line (``source``); the table shows the model
+    line that called the site (``user_source``), and the summary keeps both."""
+    from rich.console import Console
+
+    rep = dict(LOCATE_REPORT, source="/x/nan2safe_jax/ops/linear.py:49", user_source="/m/net.py:7")
+    with R.EventLog(tmp_path) as log:
+        log.log_metrics({"step": 0, "loss": 1.0, "time": 1.0})
+        log.append("locate", 0, report=rep, action="site blocks.1.attn -> SAFE for 8 steps")
+    console = Console(record=True, width=140)
+    s = R.print_summary(tmp_path, console=console)
+    (inc,) = s["incidents"]
+    assert (inc["source"], inc["user_source"]) == (rep["source"], rep["user_source"])
+    out = console.export_text()
+    assert "net.py:7" in out and "linear.py:49" not in out
 
 
 def test_figure_panels(run_dir):

@@ -96,8 +96,9 @@ def summary(workdir: str | os.PathLike) -> dict[str, Any]:
       (finite only), ``nonfinite_losses``, ``skipped`` (steps whose update was skipped, from the
       metrics, or from ``skip`` events when metrics carry no ``skipped`` field),
       ``skip_reasons``, ``downshifts``, ``incidents`` (one dict per ``locate`` event: step, site,
-      primitive, diagnosis, direction, kind, source, action, replays, seconds, reproducible,
-      label), ``incidents_located``, ``safe_entries``, ``safe_sites``, ``safe_exits``,
+      primitive, diagnosis, direction, kind, source, user_source (the model line that called
+      a built-in site, whose own ``source`` is a library line), action, replays, seconds,
+      reproducible, label), ``incidents_located``, ``safe_entries``, ``safe_sites``, ``safe_exits``,
       ``recoveries``, ``checkpoints``, ``resumes``, ``transients``, ``polluted_inputs``,
       ``errors``, ``final_gear``, ``seconds_per_step`` (median) and ``wall_seconds``.
     """
@@ -131,6 +132,7 @@ def _summarize(run: _Run) -> dict[str, Any]:
                 "direction": rep.get("direction"),
                 "kind": rep.get("kind"),
                 "source": rep.get("source"),
+                "user_source": rep.get("user_source"),
                 "action": e.get("action"),
                 "replays": rep.get("replays"),
                 "seconds": rep.get("seconds"),
@@ -246,7 +248,8 @@ def print_summary(workdir: str | os.PathLike, console=None) -> dict[str, Any]:
                 _fmt(inc["primitive"]),
                 diag,
                 _fmt(inc["direction"]),
-                _fmt(_short_source(inc["source"])),
+                # the model's line where there is one (a built-in site's op is a library line)
+                _fmt(_short_source(inc.get("user_source") or inc["source"])),
                 _fmt(inc["replays"]),
                 _fmt(inc["seconds"], ".2f"),
             )
