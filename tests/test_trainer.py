@@ -53,10 +53,13 @@ def test_clean_run_checkpoints_and_logs(tmp_path):
 
 
 @pytest.mark.two_programs
-def test_fault_is_located_put_in_safe_and_recovers(tmp_path):
-    batches = _batches(30, bad={8: "constant_row", 9: "constant_row"})
-    model, tx, loss, cfg = make_fragile()
-    tr = Trainer(model, tx, loss, cfg, tmp_path / "run", factory="tiny_models:make_fragile")
+def test_fault_is_located_put_in_safe_and_recovers(tmp_path, capsys):
+    # Step 12, the first after the SAFE stay (9-11), brings the constant row back. The loss
+    # returns an aux output (has_aux), which the offline replay must rebuild from run.json.
+    batches = _batches(30, bad={8: "constant_row", 9: "constant_row", 12: "constant_row"})
+    model, tx, loss, cfg = make_fragile_aux()
+    factory = "tiny_models:make_fragile_aux"
+    tr = Trainer(model, tx, loss, cfg, tmp_path / "run", factory=factory, has_aux=True)
     hist = tr.fit(batches, steps=30)
     ev = tr.events
     locate = [e for e in ev if e["type"] == "locate"]
@@ -75,6 +78,10 @@ def test_fault_is_located_put_in_safe_and_recovers(tmp_path):
     order = _types(ev)
     assert order.index("skip") < order.index("locate") < order.index("safe_enter")
     assert order.index("safe_enter") < order.index("safe_exit")
+    # The stay's exit is logged before the new incident's locate and enter, all at step 12, so
+    # a reader of the events (the dashboard's fallback) sees SAFE from 13 on, not a 1-step stay.
+    at12 = [e["type"] for e in ev if e["step"] == 12 and e["type"] != "checkpoint"]
+    assert at12[at12.index("safe_exit") :][:3] == ["safe_exit", "locate", "safe_enter"], at12
     assert np.isfinite(hist[-1]["loss"]) and hist[-1]["loss"] < hist[0]["loss"]
     assert (tmp_path / "run" / "incidents" / "step_8" / "batch.npz").exists()
 
@@ -84,6 +91,14 @@ def test_fault_is_located_put_in_safe_and_recovers(tmp_path):
     offline = json.loads(out.read_text())
     assert (offline["primitive"], offline["site"]) == (rep["primitive"], rep["site"])
     assert offline["source"] == rep["source"]
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["has_aux"] is True
+    # No incident at that step, or a factory that does not import: a message, not a traceback.
+    capsys.readouterr()
+    assert cli.main(["locate", str(tmp_path / "run"), "--step", "3"]) == 2
+    assert "no incident saved for step 3" in capsys.readouterr().err
+    bad = ["locate", str(tmp_path / "run"), "--step", "8", "--factory", "no_such_mod:f"]
+    assert cli.main(bad) == 2
+    assert "cannot load the factory 'no_such_mod:f'" in capsys.readouterr().err
 
     # `nan2safe report WORKDIR`: the dashboard of this run.
     assert cli.main(["report", str(tmp_path / "run")]) == 0
@@ -122,46 +137,6 @@ def test_an_fp16_layer_whose_f32_weight_overflows_the_cast_is_located_and_run_in
     assert hist[0]["skipped"] and all(h["finite"] and not h["skipped"] for h in hist[1:])
     assert all(h["safe_sites"] == ["l1"] for h in hist[1:])
     tr.close()
-
-
-def test_a_fault_back_as_its_safe_stay_ends_logs_the_exit_before_the_new_enter(tmp_path):
-    """The constant row again at step 12, the first step after the SAFE stay (steps 9-11): the
-    log reads the stay's exit, then the new locate and enter, all at step 12, so a reader of
-    the events (the dashboard's fallback) sees the site in SAFE from 13 on, not a 1-step
-    stay."""
-    model, tx, loss, cfg = make_fragile()
-    tr = Trainer(model, tx, loss, cfg, tmp_path / "run")
-    tr.fit(_batches(14, bad={8: "constant_row", 12: "constant_row"}), steps=14)
-    got = [(e["type"], e["step"]) for e in tr.events if e["type"] != "checkpoint"]
-    assert got[got.index(("safe_exit", 12)) :][:3] == [
-        ("safe_exit", 12),
-        ("locate", 12),
-        ("safe_enter", 12),
-    ], got
-    assert [e["site"] for e in tr.events if e["type"] == "safe_enter"] == ["blocks.0"] * 2
-    tr.close()
-
-
-def test_offline_locate_rebuilds_a_step_whose_loss_has_aux_outputs(tmp_path, capsys):
-    """``nan2safe locate`` rebuilds the step as the run built it: a ``has_aux`` loss (recorded
-    in ``run.json``) returns ``(loss, aux)``, which a step built without it refuses."""
-    model, tx, loss, cfg = make_fragile_aux()
-    run = tmp_path / "run"
-    tr = Trainer(model, tx, loss, cfg, run, has_aux=True, factory="tiny_models:make_fragile_aux")
-    tr.fit(_batches(4, bad={2: "constant_row"}), steps=4)
-    tr.close()
-    (online,) = [e["report"] for e in tr.events if e["type"] == "locate"]
-    assert json.loads((run / "run.json").read_text())["has_aux"] is True
-    out = tmp_path / "offline.json"
-    assert cli.main(["locate", str(run), "--step", "2", "--json", str(out)]) == 0
-    offline = json.loads(out.read_text())
-    assert (offline["primitive"], offline["site"]) == (online["primitive"], online["site"])
-    # no incident at that step, or a factory that does not import: a message, not a traceback
-    capsys.readouterr()
-    assert cli.main(["locate", str(run), "--step", "3"]) == 2
-    assert "no incident saved for step 3" in capsys.readouterr().err
-    assert cli.main(["locate", str(run), "--step", "2", "--factory", "no_such_mod:f"]) == 2
-    assert "cannot load the factory 'no_such_mod:f'" in capsys.readouterr().err
 
 
 def test_nan_in_the_data_is_reported_as_data(tmp_path):
