@@ -533,8 +533,9 @@ class Rules:
                 group_total = sum(n for _, n in members)
                 fits = k >= SHARE_MIN_DEVICES
                 whole = [(i, n) for i, n in members if fits and n * k <= group_total]
-                for i, n in members:
-                    if (i, n) not in whole:
+                taken = {i for i, _ in whole}
+                for i, _ in members:
+                    if i not in taken:
                         s = s + sliced(*pairs[i], rest, k)
                 if whole:
                     bins = balanced_bins([n for _, n in whole], k)

@@ -297,7 +297,8 @@ class Ctx:
         # varies over the devices as the body's result does (a constant ``True`` does not, and
         # ``while_loop`` refuses the mismatch when a fault depends on ``axis_index``).
         live0 = base | (nonfin & False)
-        again = jnp.any(live0) | ~jnp.any(live0)
+        seen = jnp.any(live0)
+        again = seen | ~seen  # True, typed as the body's result
         live, _ = jax.lax.while_loop(lambda s: s[1], grow, (live0, again))
         return eqn_any((nonfin & live).astype(jnp.int8)) | jnp.asarray(given | ~has_out)
 
