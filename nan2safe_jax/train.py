@@ -395,7 +395,9 @@ def train_step(
             lambda f: f * state.lr_scale, lr_factors(state.params, gs, cfg.safe_lr_factor)
         )
     applied = finite & ~polluted
-    extra = dict(gear=decided, grad_norm=grad_norm, lr_factors=factors, **unscale)
+    # ``value``: the loss, for optimizers that read it (``optax.contrib.reduce_on_plateau``);
+    # the others drop it (optax's extra-arguments convention).
+    extra = dict(gear=decided, grad_norm=grad_norm, lr_factors=factors, value=loss32, **unscale)
     if guard_lib.is_guarded(state.opt_state):
         # The update is added to the parameters in the optimizer's own kernels (never an array
         # of its own) and kept or dropped below with the parameters; a skip's outcome differs
@@ -423,7 +425,15 @@ def train_step(
     # Finite gradients whose update is not finite (an optimizer fault: a moment that
     # underflowed, a 0/0 in a custom transform) are skipped like a NaN gradient, with the
     # optimizer state kept, and escalate like any other incident.
-    bad_update = applied & ~jnp.isfinite(update_norm)
+    # The model's own variables that are not parameters (BatchNorm's running statistics, a
+    # user's monitor) are written by the forward pass, not by the update: a statistic that
+    # overflows while the loss stays finite would otherwise be kept, and trained on, until the
+    # next checkpoint refuses it. Such a step is skipped like a bad update, and tier 2 finds
+    # the equation that made the value (this check observes it). The library's probes are not
+    # checked, and a model with no such variable compiles no check at all.
+    rest_finite = numerics.all_finite(nnx.filter_state(new_rest, nnx.Not(Probe)))
+    bad_rest = applied & ~rest_finite
+    bad_update = applied & (~jnp.isfinite(update_norm) | bad_rest)
     ok = applied & ~bad_update
     incident = incident | bad_update
     new_gs = numerics.select_tree(bad_update, decide(True), decided)
@@ -474,6 +484,7 @@ def train_step(
         "incident": incident,
         "polluted": polluted,
         "bad_update": bad_update,
+        "bad_rest": bad_rest,
         "skipped": ~ok,
         "calm": risk.calm,
         "probes": probes,

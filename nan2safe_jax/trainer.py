@@ -117,6 +117,7 @@ def _host(metrics: dict) -> dict:
         skipped=bool(m["skipped"]),
         polluted=bool(m["polluted"]),
         bad_update=bool(m["bad_update"]),
+        bad_rest=bool(m["bad_rest"]),
         site_gears={k: np.asarray(v).tolist() for k, v in m["site_gears"].items()},
         probe_risk={k: float(v) for k, v in m["probe_risk"].items()},
     )
@@ -204,12 +205,14 @@ class Trainer:
         self.ring: collections.deque = collections.deque(maxlen=self.cfg.ring_size)
         self.incidents = 0
         self.rollbacks = 0
+        self._damaged_from: int | None = None  # checkpoint of the last "damaged" rollback
         self.spikes = SpikeWatch(self.cfg)
         self.spike_rollbacks = 0
         self._lr_left = 0  # steps left at the lowered learning rate after a loss spike
         self.last_report = None
         self.step = 0
         self._last_sites: dict[str, Any] = {}
+        self._last_level: int | None = None
         (self.workdir / "run.json").write_text(
             json.dumps(
                 {"factory": factory, "config": dataclasses.asdict(self.cfg), "has_aux": has_aux},
@@ -370,14 +373,32 @@ class Trainer:
             self.ring.append((done.step, done.batch))
             if (done.step + 1) % self.cfg.checkpoint_every == 0:
                 state = done.after if restart is None else restart.state
-                self._checkpoint(done.step + 1, state)
+                if not self._checkpoint(done.step + 1, state):
+                    restart = self._damaged(done, state) or restart
         return restart
 
-    def _checkpoint(self, step: int, state) -> None:
+    def _checkpoint(self, step: int, state) -> bool:
+        """Saves ``state`` as checkpoint ``step``; False (logged) when it is not finite."""
         if self.checkpoints.save(step, state):
             self.log.append("checkpoint", step, path=str(self.checkpoints.path(step)))
-        else:
-            self.log.append("error", step, detail="state not finite: no checkpoint")
+            return True
+        self.log.append("error", step, detail="state not finite: no checkpoint")
+        return False
+
+    def _damaged(self, done: _Step, state) -> _Restart | None:
+        """The state step ``done`` left is not finite although the step raised no incident
+        (a value no check of the step reads, e.g. an optimizer's moment): it is never trained
+        on. Rolls back to the newest finite checkpoint (None, logged, when there is none)."""
+        local = state if self.rules is None else sharding_lib.to_local(state)
+        report = incidents.damaged_report(local)
+        decision = incidents.Decision(
+            "damaged",
+            report,
+            restore=True,
+            action="the state is damaged: roll back to the newest finite checkpoint",
+        )
+        self.log.append("damaged", done.step, report=report.to_dict(), action=decision.action)
+        return self._rollback(done, decision)
 
     def _gear_events(self, step_no: int, m: dict) -> None:
         if m["next_gear"] > m["gear"] and m["next_gear"] == Gear.STABLE:
@@ -394,12 +415,20 @@ class Trainer:
             self.log.append("recover", step_no, to=m["next_gear"])
 
     def _safe_exits(self, step_no: int, m: dict) -> None:
-        """``safe_exit`` for each site in SAFE at the step before that ran ``step_no`` out of it."""
-        for name, g in m["site_gears"].items():
-            was = self._last_sites.get(name)
-            if was is not None and np.max(was) >= Gear.SAFE and np.max(g) < Gear.SAFE:
-                self.log.append("safe_exit", step_no, site=name)
-        self._last_sites = m["site_gears"]
+        """``safe_exit`` for each site in SAFE at the step before that ran ``step_no`` out of it.
+
+        The whole model's SAFE stay (``safe_enter`` with ``scope: "global"``) ends in one
+        ``safe_exit`` of the same scope, not one per site: the sites were in SAFE through it.
+        """
+        was_level = self._last_level
+        if was_level is not None and was_level >= Gear.SAFE and m["gear"] < Gear.SAFE:
+            self.log.append("safe_exit", step_no, site=None, scope="global")
+        else:
+            for name, g in m["site_gears"].items():
+                was = self._last_sites.get(name)
+                if was is not None and np.max(was) >= Gear.SAFE and np.max(g) < Gear.SAFE:
+                    self.log.append("safe_exit", step_no, site=name)
+        self._last_sites, self._last_level = m["site_gears"], m["gear"]
 
     # ------------------------------------------------------------------ tier 2
 
@@ -498,12 +527,22 @@ class Trainer:
         state, ckpt = found
         if decision.gear is not None:
             state = state.replace(gear=decision.gear)
-        replay = [(s, b) for s, b in self.ring if s >= ckpt] + [(done.step, done.batch)]
+        replay = [(s, b) for s, b in self.ring if ckpt <= s < done.step]
+        replay.append((done.step, done.batch))
         have = {s for s, _ in replay}
         missing = [s for s in range(ckpt, done.step + 1) if s not in have]
         kept = [(s, b) for s, b in self.ring if s < ckpt]
         self.ring = collections.deque(kept, maxlen=self.ring.maxlen)
         self.rollbacks += 1
+        extra = {}
+        if decision.kind == "damaged":
+            if self._damaged_from == ckpt:
+                # The replay after the last rollback to this checkpoint damaged the state
+                # again: one of its batches does it, and no check names which. Another replay
+                # would loop; those batches are dropped instead.
+                extra["dropped"] = [s for s, _ in replay]
+                replay = []
+            self._damaged_from = ckpt
         self.log.append(
             "rollback",
             done.step,
@@ -513,6 +552,7 @@ class Trainer:
             replayed=len(replay),
             missing=missing,
             action=decision.action,
+            **extra,
         )
         return _Restart(state, [(b, True) for _, b in replay])
 
@@ -604,6 +644,8 @@ def _skip_reason(m: dict) -> str:
         return "polluted_input"
     if m["overflow"]:
         return "overflow"
+    if m["bad_rest"]:
+        return "variable"
     if m["bad_update"]:
         return "update"
     return "incident" if m["incident"] else "update"

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from tiny_models import Block, D, Net, data, loss_fn
+from tiny_models import Block, D, MonitoredNet, Net, data, loss_fn
 
 import nan2safe_jax as nan2safe
 from nan2safe_jax import Config, Gear, TrainState, incidents, make_train_step
@@ -71,6 +71,23 @@ def test_skipped_model_nan_leaves_batchnorm_stats_and_baselines_bit_identical():
     # The step after the skip is not counted as non-finite.
     _, m2 = step(new, (x[0], y[0]))
     assert float(m2["nonfinite"]) == 0.0 and not bool(m2["skipped"])
+
+
+def test_a_model_variable_that_overflows_while_the_loss_is_finite_is_skipped_and_located():
+    state = TrainState.create(MonitoredNet(rngs=nnx.Rngs(0)), optax.adam(1e-3))
+    step = make_train_step(loss_fn)
+    x, y = data(2)
+    state, m = step(state, (x[0], y[0]))
+    assert not bool(m["skipped"]) and float(state.rest["peak"][...]) > 0
+    big = (x[1] * 1e6, y[1])
+    new, m = step(state, big)
+    assert bool(m["finite"]) and bool(m["bad_rest"]) and bool(m["bad_update"])
+    assert bool(m["skipped"]) and bool(m["incident"]) and not bool(m["polluted"])
+    _leaves_equal((new.params, new.rest), (state.params, state.rest))
+    _leaves_equal(new.opt_state.skip.inner, state.opt_state.skip.inner)
+    assert bool(nan2safe.train.state_is_finite(new))
+    # Tier 2 on this step (the Trainer's): tests/test_trainer.py
+    # ::test_a_model_variable_that_overflows_is_located_and_the_model_safe_stay_logged_once
 
 
 def _nan_update_at(k, factor=jnp.nan):

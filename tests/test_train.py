@@ -83,6 +83,28 @@ def test_plain_optimizer_is_wrapped_in_guard():
     assert nan2safe.optax.is_guarded(state.opt_state)
 
 
+def test_the_step_passes_the_loss_to_an_optimizer_that_reads_it():
+    """``optax.contrib.reduce_on_plateau`` reads the loss as ``value=``: the step passes it,
+    and the plateau's scale moves as when the same losses are fed to it by hand."""
+
+    def plateau():
+        return optax.contrib.reduce_on_plateau(factor=0.5, patience=1, cooldown=0)
+
+    # A learning rate of 0: the same batch gives the same loss, which never improves.
+    state = TrainState.create(Net(rngs=nnx.Rngs(0)), optax.chain(optax.sgd(0.0), plateau()))
+    step = make_train_step(loss_fn)
+    x, y = data(1)
+    ref = plateau()
+    ref_state = ref.init(state.params)
+    for _ in range(4):
+        state, m = step(state, (x[0], y[0]))
+        assert not bool(m["skipped"])
+        _, ref_state = ref.update(state.params, ref_state, value=m["loss"])
+    got = optax.tree_utils.tree_get(state.opt_state, "ReduceLROnPlateauState")
+    assert float(got.best_value) == float(ref_state.best_value) == float(m["loss"])
+    assert float(got.scale) == float(ref_state.scale) == 0.125  # halved at steps 2, 3 and 4
+
+
 def test_train_state_round_trips_through_jit():
     state = _state()
     out = jax.jit(lambda s: s)(state)

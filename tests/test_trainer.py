@@ -9,15 +9,26 @@ import textwrap
 import time
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
-from tiny_models import LLVM_O0, D, Net, data, loss_fn, make_fragile, make_fragile_aux
+from tiny_models import (
+    LLVM_O0,
+    D,
+    MonitoredNet,
+    Net,
+    data,
+    loss_fn,
+    make_fragile,
+    make_fragile_aux,
+)
 
 from nan2safe_jax import Config, Gear, Trainer, cli
 from nan2safe_jax import nn as nan2safe_nn
+from nan2safe_jax import train as nan2safe_train
 from nan2safe_jax.report import read_events, read_metrics
 from nan2safe_jax.site import SiteGear, site_scope
 from nan2safe_jax.supervisor import NanIncidentError
@@ -179,9 +190,80 @@ def test_damaged_state_is_rolled_back_and_never_trained_on(tmp_path):
         assert not any(e["type"] == "locate" for e in ev)
 
 
-def jax_tree_nan(tree):
-    import jax
+def test_a_model_variable_that_overflows_is_located_and_the_model_safe_stay_logged_once(
+    tmp_path,
+):
+    """A running statistic that overflows while the loss stays finite: the step is skipped
+    (the state is never trained on), tier 2 names the line that made it, and the whole-model
+    SAFE stay (the line is in no site) is one ``safe_enter`` and one ``safe_exit``."""
+    x, y = data(14)
+    batches = [(x[i] * 1e6 if i == 3 else x[i], y[i]) for i in range(14)]
+    with Trainer(MonitoredNet(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path) as tr:
+        hist = tr.fit(batches, steps=14)
+        ev = tr.events
+    assert hist[3]["skipped"] and hist[3]["bad_rest"] and hist[3]["finite"]
+    skip = next(e for e in ev if e["type"] == "skip")
+    assert skip["step"] == 3 and skip["reason"] == "variable"
+    (loc,) = [e for e in ev if e["type"] == "locate"]
+    rep = loc["report"]
+    assert (rep["primitive"], rep["kind"], rep["direction"]) == ("integer_pow", "inf", "forward")
+    line = MonitoredNet.__call__.__code__.co_firstlineno + 1
+    assert rep["source"].endswith(f"tiny_models.py:{line}") and rep["site"] is None
+    enters = [e for e in ev if e["type"] == "safe_enter"]
+    exits = [e for e in ev if e["type"] == "safe_exit"]
+    assert [(e["step"], e["scope"]) for e in enters] == [(3, "global")]
+    assert [(e["step"], e["site"], e["scope"]) for e in exits] == [(3 + 1 + 3, None, "global")]
+    assert not any(e["type"] in ("error", "rollback", "damaged") for e in ev)
+    assert tr.checkpoints.steps() == [5, 10] and np.isfinite(float(tr.state.rest["peak"][...]))
 
+
+def _poisoned_by_a_dead_feature():
+    """An optimizer whose own state turns NaN when feature 0 of the batch is all zero (the
+    gradient of block 0's ``up`` kernel row 0 is exactly 0); its update stays the gradient.
+    Damage that no check of the step reads: only the checkpoint's finiteness check sees it."""
+
+    def update(updates, s, params=None):
+        del params
+        (row,) = [
+            u[0]
+            for path, u in jax.tree_util.tree_leaves_with_path(updates)
+            if all(k in jax.tree_util.keystr(path) for k in ("blocks", "[0]", "up", "kernel"))
+        ]
+        return updates, jnp.where(jnp.all(row == 0), jnp.nan, s + 1.0)
+
+    return optax.GradientTransformation(lambda params: jnp.zeros([], jnp.float32), update)
+
+
+def test_damage_no_step_check_sees_is_rolled_back_at_the_checkpoint_and_never_loops(tmp_path):
+    x, y = data(16)
+    batches = [(x[i].at[:, 0].set(0.0) if i == 6 else x[i], y[i]) for i in range(16)]
+    tx = optax.chain(optax.sgd(1e-2), _poisoned_by_a_dead_feature())
+    cfg = CFG.replace(clip_norm=None)
+    with Trainer(Net(rngs=nnx.Rngs(0)), tx, loss_fn, cfg, tmp_path / "run") as tr:
+        hist = tr.fit(batches, steps=16)
+        ev = tr.events
+        # Step 6's update is applied; the save at step 10 refuses the damaged state, which
+        # is rolled back to step 5 and replayed. Batch 6 damages it again: the second
+        # rollback drops the replayed batches instead of looping.
+        refused = [e for e in ev if e["type"] == "error" and "not finite" in e["detail"]]
+        assert [e["step"] for e in refused] == [10, 10]
+        damaged = [e for e in ev if e["type"] == "damaged"]
+        assert len(damaged) == 2 and "opt_state" in damaged[0]["report"]["input_path"]
+        rb = [e for e in ev if e["type"] == "rollback"]
+        assert [(e["to_step"], e["cause"], e["replayed"]) for e in rb] == [
+            (5, "damaged", 5),
+            (5, "damaged", 0),
+        ]
+        assert rb[1]["dropped"] == [5, 6, 7, 8, 9]
+        assert [h["step"] for h in hist if h.get("replay")] == [5, 6, 7, 8, 9]
+        # Every checkpoint holds a finite state, and the run ends on one: batches 10-15
+        # trained as steps 5-10 from the restored step-5 state.
+        assert tr.checkpoints.steps() == [5, 10] and int(tr.state.step) == tr.step == 11
+        assert bool(nan2safe_train.state_is_finite(tr.state))
+        assert not any(e["type"] == "locate" for e in ev)
+
+
+def jax_tree_nan(tree):
     return jax.tree_util.tree_map(lambda p: jnp.full_like(p, jnp.nan), tree)
 
 

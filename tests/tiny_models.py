@@ -83,6 +83,23 @@ def data(n, scale=None, seed=0, dtype=jnp.float32):
     return jnp.asarray(x, dtype), jnp.asarray(y, jnp.float32)
 
 
+class Monitor(nnx.Variable):
+    """A user's running statistic: written by the forward pass, not by the optimizer."""
+
+
+class MonitoredNet(nnx.Module):
+    """``Net`` plus a running monitor of its input's peak, outside every site: ``max|x| ** 8``
+    overflows f32 for a batch of large (finite) values while the loss stays finite."""
+
+    def __init__(self, *, rngs):
+        self.net = Net(rngs=rngs)
+        self.peak = Monitor(jnp.zeros((), jnp.float32))
+
+    def __call__(self, x):
+        self.peak[...] = 0.9 * self.peak[...] + 0.1 * jnp.max(jnp.abs(x)) ** 8
+        return self.net(x)
+
+
 class FragileBlock(nnx.Module):
     """A site with a real degenerate case: LayerNorm with eps=0 turns a constant row into 0/0.
 

@@ -7,7 +7,8 @@ A trainer writes two append-only files in its workdir:
   ``safe_sites``, ``site_gears``).
 * ``events.jsonl``: one JSON object per event, always with ``type``, ``step`` and ``time``
   (``downshift``, ``skip``, ``locate``, ``safe_enter``, ``safe_exit``, ``recover``,
-  ``checkpoint``, ``resume``, ``transient``, ``polluted_input``, ``error``).
+  ``checkpoint``, ``resume``, ``transient``, ``polluted_input``, ``damaged``, ``rollback``,
+  ``error``, ``spike``, ``lr_restore``).
 
 Non-finite floats are written as Python's ``json`` writes them (bare ``NaN`` / ``Infinity``
 tokens); the readers also accept the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` in numeric
