@@ -87,7 +87,11 @@ class TrainState(struct.PyTreeNode):
                 "the loss and gradient probes",
                 stacklevel=2,
             )
-        graphdef, params, site_vars, rest = nnx.split(model, nnx.Param, SITE_VARIABLES, ...)
+        # A copy: the state must not share variables with ``model``, which the caller may run
+        # (a train-mode forward moves BatchNorm's statistics and Dropout's counter in place).
+        graphdef, params, site_vars, rest = nnx.split(
+            nnx.clone(model), nnx.Param, SITE_VARIABLES, ...
+        )
         probe_opt = tx.init(params)
         if not guard_lib.is_guarded(probe_opt):
             tx = guard_lib.guard(tx, cfg)
@@ -111,8 +115,10 @@ class TrainState(struct.PyTreeNode):
     @property
     def model(self) -> nnx.Module:
         """A fresh ``nnx.Module`` holding this state's parameters; each site's gear variable
-        holds its effective gear, its probes zeros."""
-        return nnx.merge(self.graphdef, self.params, _site_state(self), self.rest)
+        holds its effective gear, its probes zeros. Its variables are copies: running it (in
+        train mode too) or editing it leaves the state as it was; ``state.replace(params=
+        nnx.state(m, nnx.Param))`` takes edits back."""
+        return nnx.merge(self.graphdef, self.params, _site_state(self), self.rest, copy=True)
 
     @property
     def loss_scale(self) -> jax.Array:

@@ -242,6 +242,31 @@ def test_cross_entropy_padding_with_zero_probability_has_finite_gradients(gear):
     assert bool(jnp.all(g[1, 2] == 0))
 
 
+_BAD_LOGITS = {
+    "nan_other_class": lambda x, lab: x.at[0, 2].set(jnp.nan),
+    "nan_target": lambda x, lab: x.at[0, 0].set(jnp.nan),
+    "inf_target": lambda x, lab: x.at[0, 0].set(jnp.inf),
+    "inf_other_class": lambda x, lab: x.at[0, 2].set(jnp.inf),
+    "label_out_of_range": lambda x, lab: x,
+}
+
+
+@pytest.mark.parametrize("gear", GEARS)
+@pytest.mark.parametrize("case", list(_BAD_LOGITS))
+def test_cross_entropy_never_hides_a_nonfinite_logit_or_a_bad_label(case, gear):
+    """A NaN or +inf logit, or a label past the classes (its NaN fill), gives a non-finite loss
+    in every gear: SAFE propagates what it did not create (only a -inf target is clamped)."""
+    x = jnp.asarray(_rng(3).normal(size=(2, 3)), F32)
+    labels = jnp.asarray([3 if case == "label_out_of_range" else 0, 1], jnp.int32)
+    x = _BAD_LOGITS[case](x, labels)
+    loss = jax.jit(lambda x, g: ops.cross_entropy(x, labels, gear=g))(x, jnp.int32(gear))
+    assert not bool(jnp.isfinite(loss)), float(loss)
+    # the clean row alone is unaffected
+    clean = ops.cross_entropy(x[1:], labels[1:], gear=gear)
+    ref = optax.softmax_cross_entropy_with_integer_labels(x[1:], labels[1:]).mean()
+    np.testing.assert_allclose(float(clean), float(ref), rtol=1e-6)
+
+
 @pytest.mark.parametrize("gear", GEARS)
 @pytest.mark.parametrize("dt", DTYPES, ids=_ids)
 def test_router_agrees(dt, gear):

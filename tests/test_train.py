@@ -105,6 +105,38 @@ def test_the_step_passes_the_loss_to_an_optimizer_that_reads_it():
     assert float(got.scale) == float(ref_state.scale) == 0.125  # halved at steps 2, 3 and 4
 
 
+class _BNNet(nnx.Module):
+    def __init__(self, *, rngs):
+        self.lin = nnx.Linear(D, D, rngs=rngs)
+        self.bn = nnx.BatchNorm(D, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(self.bn(self.lin(x)))
+
+
+def test_the_state_shares_no_variable_with_its_model_or_the_model_it_shows():
+    """Running the model a state was created from, or ``state.model``, in train mode (BatchNorm's
+    statistics, Dropout's counter) or editing either leaves the state as it was."""
+    model = _BNNet(rngs=nnx.Rngs(0))
+    state = TrainState.create(model, optax.sgd(1e-2))
+
+    def arrays(st):
+        key = lambda v: jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
+        unkeyed = lambda v: jax.random.key_data(v) if key(v) else v
+        return [np.asarray(unkeyed(v)) for v in jax.tree_util.tree_leaves((st.params, st.rest))]
+
+    before = arrays(state)
+    x = data(1)[0][0]
+    for m in (model, state.model):
+        m.train()
+        m(x)
+        m.lin.kernel[...] = jnp.full_like(m.lin.kernel[...], 7.0)
+    assert float(jnp.abs(model.bn.mean[...]).max()) > 0  # the runs did move their own copies
+    for a, b in zip(arrays(state), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_train_state_round_trips_through_jit():
     state = _state()
     out = jax.jit(lambda s: s)(state)

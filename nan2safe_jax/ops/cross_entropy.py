@@ -42,14 +42,18 @@ def _ce_safe(logits, labels, mask):
     kern = _kernels()
     xf = logits.astype(_F32)
     m = lax.stop_gradient(jnp.max(xf, axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    # A row of -inf only (every class excluded) shifts by 0; a NaN or +inf max stays, so that
+    # row's loss is not finite: SAFE never hides a non-finite logit (nor an out-of-range
+    # label's NaN fill) behind a plausible number.
+    m = jnp.where(m == -jnp.inf, 0.0, m)
     z = xf - m  # <= 0; the max entry is exactly 0 so the sum below is >= 1 (never log 0)
     s = kern.safe_sum(jnp.exp(z), axis=-1)
     zl = jnp.take_along_axis(z, labels[..., None], axis=-1)[..., 0]
-    logp = zl - jnp.log(jnp.where(s >= 1.0, s, 1.0))  # where, not maximum: no split gradient
+    # where, not maximum: no split gradient; a NaN sum stays NaN
+    logp = zl - jnp.log(jnp.where(s < 1.0, 1.0, s))
     # clamp: a -inf label logit (log of an exactly-zero probability) counts as a finite loss
     lo = -jnp.finfo(_F32).max
-    logp = jnp.where(logp > lo, logp, lo)
+    logp = jnp.where(logp < lo, lo, logp)
     nll = -logp
     valid = jnp.ones(nll.shape, bool) if mask is None else mask
     nll = jnp.where(valid, nll, 0.0)
@@ -75,7 +79,9 @@ def cross_entropy(
     gave ``log 0``; it made a run whose logits grow go non-finite 20 steps before the stock
     model did.) STABLE: ``log_softmax`` in f32. SAFE: f32 log-space with
     a compensated denominator (>= 1, so never log 0), the loss of a -inf target logit clamped to
-    finite, a compensated masked mean, and 0 when no token is selected.
+    finite, a compensated masked mean, and 0 when no token is selected; a NaN or +inf logit,
+    or a label out of range, makes its token's loss non-finite, as at FAST (propagated, never
+    hidden).
 
     Args:
       logits: ``[..., num_classes]``.
