@@ -126,7 +126,14 @@ def _write(var: nnx.Variable, value: jax.Array) -> None:
 
     The new value replaces the old one in the old one's shape and dtype: what ``var[...] =
     value`` stores, without tracing an indexed update (~15 ms of tracing per probe).
+
+    A module called inside a plain JAX transform that closes over it (``jax.jit(lambda x:
+    layer(x))``, ``jax.grad`` with respect to its inputs) cannot mutate its variables from that
+    trace; a probe is only an observation, so it is left as it was there, and the layer runs
+    as flax's own does.
     """
+    if not getattr(var, "_can_update", True):
+        return
     old = var.get_value()
     if isinstance(old, jax.ShapeDtypeStruct):
         var.set_value(value)

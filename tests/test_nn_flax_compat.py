@@ -305,3 +305,39 @@ def test_abstract_construction():
     x = _x((2, 3, 8), F32)
     _same(abstract(x), concrete(x))
     assert int(abstract.attn.gear.get_value()) == 0
+
+
+def _closed_over_pairs():
+    r = lambda: nnx.Rngs(0)  # noqa: E731
+    mha = dict(num_heads=2, in_features=8, qkv_features=8, decode=False, rngs=None)
+    return {
+        "LayerNorm": (lambda: nnx.LayerNorm(8, rngs=r()), lambda: nn.LayerNorm(8, rngs=r())),
+        "RMSNorm": (lambda: nnx.RMSNorm(8, rngs=r()), lambda: nn.RMSNorm(8, rngs=r())),
+        "MultiHeadAttention": (
+            lambda: nnx.MultiHeadAttention(**{**mha, "rngs": r()}),
+            lambda: nn.MultiHeadAttention(**{**mha, "rngs": r()}),
+        ),
+    }
+
+
+_TRANSFORMS = {
+    "jit": lambda f, x: jax.jit(f)(x),
+    "grad": lambda f, x: jax.grad(lambda x: f(x).sum())(x),
+    "vmap": lambda f, x: jax.vmap(f)(x[:, None])[:, 0],
+    "jvp": lambda f, x: jax.jvp(f, (x,), (jnp.ones_like(x),))[1],
+    "scan": lambda f, x: jax.lax.scan(lambda c, xi: (c, f(xi[None])[0]), 0, x)[1],
+}
+
+
+@pytest.mark.parametrize("transform", list(_TRANSFORMS))
+@pytest.mark.parametrize("kind", list(_closed_over_pairs()))
+def test_a_site_closed_over_by_a_plain_jax_transform_runs_as_flax_does(kind, transform):
+    """A layer closed over by ``jax.jit`` / ``grad`` / ``vmap`` / ``jvp`` / ``lax.scan`` (not an
+    ``nnx`` transform): its probes cannot be written from that trace and are skipped, and the
+    result is flax's."""
+    make_flax, make_ours = _closed_over_pairs()[kind]
+    theirs, ours = make_flax(), make_ours()
+    x = _x((4, 3, 8), F32)
+    got = _TRANSFORMS[transform](lambda x: ours(x), x)
+    want = _TRANSFORMS[transform](lambda x: theirs(x), x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
