@@ -516,6 +516,47 @@ def test_a_gear_switch_drops_fast_at_safe(grad):
     _assert_source(r, "after-site")
 
 
+def _norm_then(x, gear, fault):
+    y = ops.layer_norm(x, None, None, eps=0.0, gear=gear)  # constant rows: FAST's rsqrt(0)
+    return jnp.log(y - 1.0) if fault else y  # FAULT:after-norm
+
+
+@pytest.mark.parametrize("fault", [False, True], ids=["clean", "later_fault"])
+def test_a_safe_norm_drops_fast_and_the_probe_statistics_fast_computed(fault):
+    """A norm at SAFE (traced gear) on constant rows with eps 0: FAST's ``rsqrt(0)`` is inf, and
+    FAST's probe statistics read it (a NaN/inf count: finite values from an inf one). Only
+    the gear ``cond`` reads those statistics, and it drops them: that read observes nothing.
+    The clean function is clean; with a fault after the norm, the fault is the root."""
+    x = jnp.ones((2, 4))
+    args = [x, jnp.int32(Gear.SAFE)]
+    r = locate(jax.make_jaxpr(lambda x, g: _norm_then(x, g, fault))(*args), args)
+    if not fault:
+        assert r is None, str(r)
+        return
+    assert r is not None and r.primitive == "log", str(r)
+    _assert_source(r, "after-norm")
+
+
+_BIAS = jnp.asarray([0.0, -jnp.inf, 0.0, jnp.inf])  # a module-level array: a closed-over constant
+
+
+def _plus_bias(x):
+    return x + _BIAS  # FAULT:closed-constant
+
+
+def test_a_closed_over_constant_that_carries_inf_in_is_named_as_a_constant():
+    """``make_jaxpr`` holds a captured array in ``ClosedJaxpr.consts``, which the replay passes
+    as an operand; no equation made its inf, and the report names the equation it enters by,
+    diagnosis "constant", as for a literal (it was missed: None)."""
+    x = jnp.ones(4)
+    closed = jax.make_jaxpr(_plus_bias)(x)
+    assert closed.consts  # the premise: the bias is a constant of the closed jaxpr
+    r = locate(closed, (x,))
+    assert r is not None and (r.primitive, r.diagnosis, r.kind) == ("add", "constant", "inf")
+    assert r.inputs[1]["literal"] and r.channels == {0: [1, 3]}, str(r)
+    _assert_source(r, "closed-constant")
+
+
 def _attend_first(q, k, v, mask):
     logits = jnp.where(mask, q @ k.T, -jnp.inf)
     return jax.nn.softmax(logits, axis=-1) @ v  # FAULT:first-site

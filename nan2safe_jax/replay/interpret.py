@@ -117,6 +117,15 @@ class Ctx:
         self._codes: Any = None
         self._flags: dict[bool, tuple[Any, Any, Any]] = {}
         self.outputs: frozenset | None = None  # value indices the walk returned
+        # Per record (parallel to ``recs``): ids of every value it reads (a known branch's
+        # dropped operands left out) and writes, of any dtype, for ``_needed``; the values are
+        # pinned so that no id is reused while the walk runs.
+        self.links: list[tuple[tuple[int, ...], ...] | None] = []
+        self.output_ids: frozenset = frozenset()
+        # Value indices of the top level's closed-over constants (``ClosedJaxpr.consts``): the
+        # replay passes them as operands, yet like a literal they are no equation's result.
+        self.constants: set[int] = set()
+        self._pinned: list[Any] = []
 
     # -- codes ------------------------------------------------------------------------------
     def ref(self, x: Any) -> Ref:
@@ -132,6 +141,11 @@ class Ctx:
         self.vals.append(x)
         self._memo[id(x)] = (x, r)
         return r
+
+    def mark_constants(self, xs: Sequence[Any]) -> None:
+        """Registers ``xs`` as the closed-over constants (see ``constants``)."""
+        for x in xs:
+            self.constants |= self.ref(x)[1]
 
     def union(self, xs: Sequence[Any]) -> Ref:
         code, idx = 0, frozenset()
@@ -165,6 +179,12 @@ class Ctx:
     # -- per-equation records ---------------------------------------------------------------
     def record(self, in_ref: Ref | None, out_ref: Ref | None, kind: str = "eqn") -> None:
         self.recs.append((kind, in_ref, out_ref))
+
+    def link(self, reads: Sequence[Any], writes: Sequence[Any], drops: Sequence[Any] = ()) -> None:
+        """Records which values the record just appended reads, writes and drops (reads, but
+        passes over: a known branch's unused operands) for ``_needed``."""
+        self._pinned += [*reads, *writes, *drops]
+        self.links.append((tuple(map(id, reads)), tuple(map(id, writes)), tuple(map(id, drops))))
 
     def finalize(self, observed_only: bool = False) -> tuple[Any, Any, Any]:
         """``(root, nan, literal)``: bool[count] flags of every flat equation of this walk.
@@ -211,15 +231,18 @@ class Ctx:
                 return jnp.zeros((m,), np.int8)
             return jnp.maximum(jax.ops.segment_max(codes[idx], seg, m), jnp.int8(0))
 
-        traced_in = gather_max(ins_v, ins_k)
-        cin = jnp.maximum(traced_in, jnp.asarray(in_static))
+        const = np.isin(ins_v, np.asarray(sorted(self.constants), np.int32))
+        traced_in = gather_max(ins_v[~const], ins_k[~const])
+        const_in = gather_max(ins_v[const], ins_k[const])
+        cin = jnp.maximum(jnp.maximum(traced_in, const_in), jnp.asarray(in_static))
         traced_out = gather_max(outs_v, outs_k)
         cout = jnp.maximum(traced_out, jnp.asarray(out_static))
         edges = (ins_v, ins_k, outs_v, outs_k)
         reaches = self._reaches(codes, edges, traced_out > 0, observed_only)
         root = (cout > 0) & (cin == 0) & live & reaches
         nan = (cout == 2) & (cin < 2) & live & reaches
-        literal = (cout > 0) & (traced_in == 0) & jnp.asarray((in_static > 0) & live) & reaches
+        carried = (jnp.asarray(in_static) > 0) | (const_in > 0)
+        literal = (cout > 0) & (traced_in == 0) & carried & jnp.asarray(live) & reaches
         given = [(k, rec[1]) for k, rec in enumerate(self.recs) if rec[0] == "given"]
         if given:
             ks = np.asarray([k for k, _ in given])
@@ -283,7 +306,11 @@ class Ctx:
                 return jnp.zeros((nv,), bool)
             return jax.ops.segment_max(per_eqn[ins_k].astype(jnp.int8), ins_v, nv) > 0
 
-        observes = jnp.asarray(given) | (jnp.asarray(has_out & ~mask) & ~bad_out)
+        # An equation observes a value only if its own result is needed: FAST's probe
+        # statistics of a site at SAFE read FAST's non-finite values into finite ones, but
+        # only the gear ``cond`` reads those statistics, and it drops them.
+        needed = self._needed()
+        observes = jnp.asarray(given) | (jnp.asarray(has_out & ~mask & needed) & ~bad_out)
         seed = returned if observed_only else returned | ~read
         base = nonfin & (jnp.asarray(seed) | value_any(observes))
 
@@ -301,6 +328,36 @@ class Ctx:
         again = seen | ~seen  # True, typed as the body's result
         live, _ = jax.lax.while_loop(lambda s: s[1], grow, (live0, again))
         return eqn_any((nonfin & live).astype(jnp.int8)) | jnp.asarray(given | ~has_out)
+
+    def _needed(self) -> np.ndarray:
+        """bool[#records]: the record's results (of any dtype) reach the walk's results
+        through reads that are not dropped by a known branch; a static, backward pass.
+
+        Results nothing reads count as needed (as in ``_reaches``: a later program may read
+        them; a prefix's lower bound keeps them too, as every observation counted before a
+        dropped one was told apart). A record without link information is needed.
+        """
+        m = len(self.recs)
+        out = np.ones(m, bool)
+        if len(self.links) != m:
+            return out
+        read: set[int] = set()
+        for ln in self.links:
+            if ln is not None:
+                read.update(ln[0], ln[2])
+        need = set(self.output_ids)
+        for k in range(m - 1, -1, -1):
+            ln = self.links[k]
+            if ln is None or self.recs[k][0] == "given":
+                if ln is not None:
+                    need.update(ln[0])
+                continue
+            reads, writes, _ = ln
+            used = not writes or any(w in need or w not in read for w in writes)
+            out[k] = used
+            if used:
+                need.update(reads)
+        return out
 
     def any_flags(self) -> Any:
         """bool[3]: whether any equation of this walk is flagged root / nan / literal."""
@@ -348,6 +405,8 @@ def walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: Ctx, ns: A
     outs = _walk(jaxpr, consts, args, ctx, ns)
     if ctx.mode == "flags":  # what the walk returns is live (``Ctx._reaches``)
         ctx.outputs = frozenset().union(*(ctx.ref(o)[1] for o in outs))
+        ctx.output_ids = frozenset(map(id, outs))
+        ctx._pinned += list(outs)
     return outs
 
 
@@ -386,6 +445,7 @@ def _walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: Ctx, ns: 
                 if body and body[0] is not None:
                     ctx.bodies[k] = body[0]
                 ctx.recs.append(("given", steps >= 0, ctx.union(invals)))
+                ctx.link(invals, outs)
             elif ctx.mode == "flags":
                 outs = _flags_eqn(eqn, invals, ens, ctx, ctx.known.get(k))
             else:
@@ -418,15 +478,18 @@ def _flags_eqn(eqn: Any, invals: list, ns: Any, ctx: Ctx, branch: int | None = N
         for o in outs:
             ctx.derive(o, ctx.union(invals))
         ctx.record(None, None)
+        ctx.link(invals, outs)
     elif branch is not None:
         used = _reads(jc.cond_branches(eqn)[branch][0])
         ops = invals[1:]
         keep = [invals[0], *(x for x, u in zip(ops, used, strict=True) if u)]
         drop = [x for x, u in zip(ops, used, strict=True) if not u]
         ctx.recs.append(("mask", ctx.union(keep), ctx.union(outs), ctx.union(drop)))
+        ctx.link(keep, outs, drop)
     else:
         kind = "mask" if eqn.primitive.name in _MASKING else "eqn"
         ctx.record(ctx.union(invals), ctx.union(outs), kind)
+        ctx.link(invals, outs)
     return outs
 
 

@@ -246,7 +246,8 @@ def _locate(
         nf = search(sess, "top", top_jaxpr, list(consts), leaves, ns, (), "nan", top=True)
         first_nan = _ref(nf) if nf is not None else None
     ref = _ref(found)
-    literal = [jc.is_literal(a) for a in found.item.eqn.invars]
+    closed = {id(v) for v in top_jaxpr.constvars}  # the closed-over constants count as literals
+    literal = [jc.is_literal(a) or id(a) in closed for a in found.item.eqn.invars]
     in_stats = [array_stats(v, lit) for v, lit in zip(found.invals, literal, strict=True)]
     out = found.outvals[oi] if oi is not None else found.outvals[0]
     mode = found.mode

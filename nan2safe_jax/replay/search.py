@@ -216,6 +216,8 @@ class Session:
         def fn(consts, args):
             ctx = interpret.Ctx("flags", known=known)
             arg_refs = [ctx.ref(a) for a in args] if top else []
+            if top:
+                ctx.mark_constants(consts)
             outs = interpret.walk(jaxpr, consts, args, ctx, ns)
             root, nan, literal = ctx.finalize()
             steps = {k: jnp.asarray(v, jnp.int32) for k, v in ctx.steps.items()}
