@@ -409,7 +409,7 @@ class Trainer:
                 **{"from": m["gear"], "to": m["next_gear"]},
                 risk=m["risk"],
                 probes=fired,
-                cause="nonfinite" if m["incident"] else "risk",
+                cause=_downshift_cause(m),
             )
         elif m["next_gear"] < m["gear"] and m["next_gear"] == Gear.FAST:
             self.log.append("recover", step_no, to=m["next_gear"])
@@ -637,6 +637,14 @@ class Trainer:
             ckpt.save(step_no, sharding_lib.host_arrays(state), finite=True)
         finally:
             ckpt.close()
+
+
+def _downshift_cause(m: dict) -> str:
+    """What moved the gears down: a non-finite step, the loss scale's overflow streak (past
+    ``train.OVERFLOW_GRACE`` skips in a row), or tier 1's risk."""
+    if m["incident"]:
+        return "nonfinite"
+    return "overflow" if m["overflow"] else "risk"
 
 
 def _skip_reason(m: dict) -> str:

@@ -15,6 +15,7 @@ import optax
 import pytest
 
 from nan2safe_jax import ops, probe
+from nan2safe_jax.gear import Gear
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 DTYPES = [F32, BF16, F16]
@@ -582,8 +583,16 @@ def test_python_and_traced_gears_agree(name):
 
 def test_bad_gears_raise():
     x = jnp.ones((2, 3))
-    with pytest.raises(ValueError, match="gear must be one of"):
-        ops.softmax(x, gear=3)
+    for concrete in (3, -1, np.int32(5), jnp.int32(5), jnp.int32(-1)):
+        with pytest.raises(ValueError, match="gear must be one of"):
+            ops.softmax(x, gear=concrete)
+    for not_int in (2.0, jnp.float32(1.0), True, np.bool_(False)):
+        with pytest.raises(ValueError, match="gear must be an integer"):
+            ops.softmax(x, gear=not_int)
+    with pytest.raises(ValueError, match="gear must be an integer"):
+        jax.make_jaxpr(lambda g: ops.softmax(x, gear=g))(jnp.float32(1.0))
+    for good in (np.int64(2), jnp.int32(1), Gear.SAFE):
+        ops.softmax(x, gear=good)
     with pytest.raises(ValueError, match="gear must be a scalar"):
         jax.make_jaxpr(lambda g: ops.softmax(x, gear=g))(jnp.zeros((4,), jnp.int32))
 

@@ -138,6 +138,17 @@ def test_layernorm_zero_variance_blames_rsqrt(dtype):
     assert r.first_nan is not None and r.first_nan.primitive == "mul"  # 0 * inf
 
 
+def test_a_division_by_a_plain_number_that_overflows_is_an_overflow_not_a_division_by_0():
+    """fp16 values near 65504 divided by 0.8 (a dropout's ``1 / keep``): an overflow."""
+
+    def f(x):
+        return x / jnp.float16(0.8)  # FAULT:div-overflow
+
+    x = jnp.asarray([1.0, 60000.0, 2.0], jnp.float16)
+    r = _check(f, (x,), "div", "div-overflow", "inf")
+    assert r.diagnosis == "overflow" and r.channels == {0: [1]}, str(r)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_where_sqrt_gradient_blames_forward_sqrt(dtype):
     def f(x):
@@ -535,6 +546,21 @@ def test_a_safe_norm_drops_fast_and_the_probe_statistics_fast_computed(fault):
         return
     assert r is not None and r.primitive == "log", str(r)
     _assert_source(r, "after-norm")
+
+
+def _fp16_loss(logits, labels):
+    return ops.cross_entropy(logits, labels, gear=Gear.FAST)  # FAULT:ce-call
+
+
+def test_a_fault_inside_optax_called_by_an_op_names_the_calling_line():
+    """FAST cross-entropy is optax's; in fp16 its sum of 70,000 equal exponentials overflows.
+    ``source`` is optax's line, ``user_source`` the line that called the op (optax's frames
+    are no user's)."""
+    logits = jnp.zeros((1, 70_000), jnp.float16)
+    labels = jnp.zeros((1,), jnp.int32)
+    r = locate(jax.make_jaxpr(_fp16_loss)(logits, labels), (logits, labels))
+    assert r is not None and "optax" in r.source, str(r)
+    assert r.user_source.endswith(f"test_replay.py:{_line('ce-call')}"), r.user_source
 
 
 _BIAS = jnp.asarray([0.0, -jnp.inf, 0.0, jnp.inf])  # a module-level array: a closed-over constant

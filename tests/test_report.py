@@ -181,13 +181,17 @@ def test_summary_counts(run_dir):
     assert s["final_gear"] == 0
 
 
-def test_summary_dedupes_rerun_steps(tmp_path):
+def test_summary_dedupes_rerun_steps_and_counts_what_the_first_run_skipped(tmp_path):
+    """Steps 1-2 re-run after a rollback: the curve keeps the last record of each step, and
+    the counts keep step 2's first run, which was skipped with a NaN loss."""
+    runs = [(0, 3.0), (1, 2.0), (2, math.nan), (1, 2.5), (2, 1.5), (3, 1.0)]
     with R.EventLog(tmp_path) as log:
-        for s, loss in [(0, 3.0), (1, 2.0), (2, math.nan), (1, 2.5), (2, 1.5), (3, 1.0)]:
-            log.log_metrics({"step": s, "loss": loss, "time": 10.0 + s})
+        for s, loss in runs:
+            log.log_metrics({"step": s, "loss": loss, "time": 10.0 + s, "skipped": loss != loss})
+        log.append("safe_enter", 2, site=None, steps=8, scope="global")
     s = R.summary(tmp_path)
-    assert (s["steps"], s["records"], s["nonfinite_losses"]) == (4, 6, 0)
-    assert s["final_loss"] == 1.0 and s["skipped"] == 0
+    assert (s["steps"], s["records"], s["nonfinite_losses"], s["skipped"]) == (4, 6, 1, 1)
+    assert s["final_loss"] == 1.0 and s["safe_sites"] == ["global"]
 
 
 def test_print_summary_renders_table(run_dir):

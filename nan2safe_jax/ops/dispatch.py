@@ -96,17 +96,21 @@ def switch(gear: Any, branches: Sequence[Callable[..., Any]], *operands: Any) ->
       *operands: passed to the branch; pytrees (``None`` allowed).
 
     Raises:
-      ValueError: a Python int outside the branches, or a gear that is not a scalar.
+      ValueError: a gear that is not an integer (a float, a bool), a concrete one outside the
+        branches, or a gear that is not a scalar.
     """
     if getattr(gear, "dtype", None) == FAST_ONLY:
         return branches[0](*operands)
+    dtype = gear.dtype if hasattr(gear, "dtype") else np.asarray(gear).dtype
+    if isinstance(gear, (bool, np.bool_)) or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"gear must be an integer (Gear.FAST/STABLE/SAFE), got {gear!r}")
     g = _static_gear(gear)
-    if g is not None:
-        if isinstance(gear, int) and not 0 <= g < len(branches):
+    if g is not None:  # any concrete integer: a Python int, a numpy or a concrete jax scalar
+        if not 0 <= g < len(branches):
             raise ValueError(
                 f"gear must be one of Gear.FAST/STABLE/SAFE (0..{len(branches) - 1}), got {gear!r}"
             )
-        return branches[min(max(g, 0), len(branches) - 1)](*operands)
+        return branches[g](*operands)
     gear = jnp.asarray(gear)
     if gear.ndim != 0:
         raise ValueError(
@@ -114,8 +118,6 @@ def switch(gear: Any, branches: Sequence[Callable[..., Any]], *operands: Any) ->
             "sliced per layer by nnx.scan, index it (gear[i]) when calling an op directly"
         )
     plain = gear.dtype == SWITCHED
-    if not jnp.issubdtype(gear.dtype, jnp.integer):
-        gear = gear.astype(jnp.int32)
     gear, branches = _distinct(gear.astype(jnp.int32), branches)
     if len(branches) == 1:
         return branches[0](*operands)

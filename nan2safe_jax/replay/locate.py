@@ -61,16 +61,18 @@ def _kind_of(outvals: Sequence[Any]) -> tuple[str | None, int | None]:
     return kind, first
 
 
+# Libraries whose lines are no user's: optax too, whose losses ``ops.cross_entropy`` (FAST) and
+# users' loss functions call.
 _OWN_DIRS = tuple(
     os.path.dirname(m.__file__) + os.sep
-    for m in (__import__("nan2safe_jax"), __import__("flax"))
+    for m in (__import__("nan2safe_jax"), __import__("flax"), __import__("optax"))
     if getattr(m, "__file__", None)
 )
 
 
 def user_source(frames: Sequence[tuple[str, int]]) -> str | None:
-    """``"file.py:LINE"`` of the innermost frame outside JAX, Flax and nan2safe_jax: for an
-    equation of a ``nan2safe.nn`` site, the model code that called the site."""
+    """``"file.py:LINE"`` of the innermost frame outside JAX, Flax, optax and nan2safe_jax: for
+    an equation of a ``nan2safe.nn`` site, the model code that called the site."""
     for file, line in frames:
         if not file.startswith(_OWN_DIRS):
             return f"{file}:{line}"

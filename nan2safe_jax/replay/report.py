@@ -292,10 +292,14 @@ def diagnose(
                 )
             if kind == "inf" and bad.any():
                 d = np.abs(den[bad])
-                return "division by ~0", (
-                    f"{n_bad} outputs divide by |denominator| <= {float(d.max()):.3g} "
-                    f"(numerator up to {float(np.abs(num[bad]).max()):.3g})"
-                )
+                n = np.abs(num[bad])
+                # ~0 only when the denominator is what is small: a numerator near the dtype's
+                # largest value divided by 0.8 (a dropout's 1/keep) is an overflow (below)
+                if float(d.max()) < 1e-3:
+                    return "division by ~0", (
+                        f"{n_bad} outputs divide by |denominator| <= {float(d.max()):.3g} "
+                        f"(numerator up to {float(n.max()):.3g})"
+                    )
     if primitive == "sub" and kind == "nan" and len(invals) == 2:
         a = _broadcast(invals[0], out_np.shape)
         b = _broadcast(invals[1], out_np.shape)

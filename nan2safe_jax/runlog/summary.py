@@ -93,8 +93,9 @@ def summary(workdir: str | os.PathLike) -> dict[str, Any]:
     Returns:
       A dict with ``steps`` (distinct steps logged), ``records`` (metric lines, including steps
       re-run after a rollback), ``first_step``, ``last_step``, ``final_loss``, ``min_loss``
-      (finite only), ``nonfinite_losses``, ``skipped`` (steps whose update was skipped, from the
-      metrics, or from ``skip`` events when metrics carry no ``skipped`` field),
+      (finite only), ``nonfinite_losses`` and ``skipped`` (over every logged run of a step,
+      a step re-run after a rollback included; ``skipped`` from ``skip`` events when metrics
+      carry no ``skipped`` field),
       ``skip_reasons``, ``downshifts``, ``incidents`` (one dict per ``locate`` event: step, site,
       primitive, diagnosis, direction, kind, source, user_source (the model line that called
       a built-in site, whose own ``source`` is a library line), action, replays, seconds,
@@ -118,6 +119,10 @@ def _summarize(run: _Run) -> dict[str, Any]:
         r = str(e.get("reason", "?"))
         reasons[r] = reasons.get(r, 0) + 1
     has_skip_field = any("skipped" in r for r in run.records)
+    # Counted over every record, not only the last of each step: a step re-run after a
+    # rollback was skipped (and its loss non-finite) the first time all the same.
+    skipped_runs = sum(1 for r in raw if bool(r.get("skipped", False)))
+    nonfinite_runs = sum(1 for r in raw if not math.isfinite(_as_float(r.get("loss"))))
     incidents = []
     for e in events:
         if e.get("type") != "locate":
@@ -141,7 +146,13 @@ def _summarize(run: _Run) -> dict[str, Any]:
             }
         )
     times = [t for t in (_as_float(r.get("time")) for r in raw) if math.isfinite(t)]
-    safe_sites = sorted({str(e["site"]) for e in events if e.get("type") == "safe_enter"})
+    safe_sites = sorted(
+        {
+            "global" if e.get("site") is None else str(e["site"])
+            for e in events
+            if e.get("type") == "safe_enter"
+        }
+    )
     return {
         "workdir": str(run.workdir),
         "steps": len(run.records),
@@ -150,8 +161,8 @@ def _summarize(run: _Run) -> dict[str, Any]:
         "last_step": int(run.step[-1]) if len(run.step) else None,
         "final_loss": float(run.loss[-1]) if len(run.loss) else None,
         "min_loss": float(finite.min()) if len(finite) else None,
-        "nonfinite_losses": int((~np.isfinite(run.loss)).sum()),
-        "skipped": int(run.skipped.sum()) if has_skip_field else len(skip_events),
+        "nonfinite_losses": nonfinite_runs,
+        "skipped": skipped_runs if has_skip_field else len(skip_events),
         "skip_reasons": reasons,
         "downshifts": count("downshift"),
         "incidents_located": len(incidents),
