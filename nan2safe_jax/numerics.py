@@ -28,6 +28,11 @@ def _is_key(x) -> bool:
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def floating_leaves(tree) -> list:
+    """The leaves of ``tree`` with a floating (or complex) dtype."""
+    return [x for x in jax.tree_util.tree_leaves(tree) if _inexact(jnp.asarray(x).dtype)]
+
+
 def all_finite(tree) -> jax.Array:
     """bool[]: every floating leaf of ``tree`` is finite (True for an empty tree).
 

@@ -437,9 +437,13 @@ def train_step(
     # next checkpoint refuses it. Such a step is skipped like a bad update, and tier 2 finds
     # the equation that made the value (this check observes it). The library's probes are not
     # checked, and a model with no such variable compiles no check at all.
-    rest_finite = numerics.all_finite(nnx.filter_state(new_rest, nnx.Not(Probe)))
-    bad_rest = applied & ~rest_finite
-    bad_update = applied & (~jnp.isfinite(update_norm) | bad_rest)
+    checked = numerics.floating_leaves(nnx.filter_state(new_rest, nnx.Not(Probe)))
+    if checked:
+        bad_rest = applied & ~numerics.all_finite(checked)
+        bad_update = applied & (~jnp.isfinite(update_norm) | bad_rest)
+    else:
+        bad_rest = jnp.zeros([], bool)
+        bad_update = applied & ~jnp.isfinite(update_norm)
     ok = applied & ~bad_update
     incident = incident | bad_update
     new_gs = numerics.select_tree(bad_update, decide(True), decided)
