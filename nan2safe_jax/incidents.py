@@ -233,8 +233,10 @@ def unsited_hint(report: Report, sites, nearest: str | None = None) -> str:
     elif nearest is not None:
         text += f"; the nearest site is {nearest!r}"
     return text + (
-        ". To make it downshiftable, run nan2safe.nn.convert(model) if it is a flax layer, or "
-        "wrap that code in nan2safe.nn.Site(fast, safe=...)"
+        ". To make it downshiftable, run nan2safe.nn.convert(model) if it is a flax layer convert "
+        "has a site for (Linear, LinearGeneral, Embed, LayerNorm, RMSNorm, MultiHeadAttention; "
+        "its report lists the layers it left alone, e.g. nnx.Conv), or wrap that code in "
+        "nan2safe.nn.Site(fast, safe=...)"
     )
 
 

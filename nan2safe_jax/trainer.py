@@ -263,7 +263,11 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def fit(self, batches: Iterable, steps: int) -> list[dict]:
-        """Trains on ``steps`` new batches (or until ``batches`` runs out).
+        """Trains on ``steps`` new batches (or until ``batches`` runs out: a ``data_end`` event).
+
+        A run resumed from its workdir starts at ``self.step`` (the newest finite checkpoint's);
+        ``fit`` draws new batches from whatever ``batches`` yields, so pass the data from that
+        step on (``data[trainer.step:]``) and the steps that are left.
 
         A rollback replays the batches since the restored checkpoint from the ring buffer on
         top of those: each replayed step appears in the history again, with ``"replay": True``.
@@ -290,6 +294,9 @@ class Trainer:
                 elif drawn < steps:
                     batch, replayed = next(source, _END), False
                     drawn += batch is not _END
+                    if batch is _END:  # said once: ``fit`` returns early, not an error
+                        self.log.append("data_end", self.step, drawn=drawn, steps=steps)
+                        steps = drawn
                 else:
                     batch = _END
                 if batch is not _END and not replayed and discard > 0:

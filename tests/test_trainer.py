@@ -61,6 +61,11 @@ def test_clean_run_checkpoints_and_logs(tmp_path):
     assert tr.checkpoints.steps() == [5, 10]
     assert len(read_metrics(tmp_path / "run")) == 12
     assert int(tr.state.step) == 12
+    # An iterator shorter than ``steps`` ends ``fit`` early, said once in the log.
+    more = tr.fit(iter(_batches(3, seed=1)), steps=5)
+    assert len(more) == 3 and tr.step == 15
+    (end,) = [e for e in tr.events if e["type"] == "data_end"]
+    assert (end["step"], end["drawn"], end["steps"]) == (15, 3, 5)
 
 
 @pytest.mark.two_programs

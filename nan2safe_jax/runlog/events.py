@@ -8,7 +8,7 @@ A trainer writes two append-only files in its workdir:
 * ``events.jsonl``: one JSON object per event, always with ``type``, ``step`` and ``time``
   (``downshift``, ``skip``, ``locate``, ``safe_enter``, ``safe_exit``, ``recover``,
   ``checkpoint``, ``resume``, ``transient``, ``polluted_input``, ``damaged``, ``rollback``,
-  ``error``, ``spike``, ``lr_restore``).
+  ``error``, ``spike``, ``lr_restore``, ``data_end``).
 
 Non-finite floats are written as Python's ``json`` writes them (bare ``NaN`` / ``Infinity``
 tokens); the readers also accept the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` in numeric
