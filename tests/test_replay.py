@@ -149,6 +149,29 @@ def test_a_division_by_a_plain_number_that_overflows_is_an_overflow_not_a_divisi
     assert r.diagnosis == "overflow" and r.channels == {0: [1]}, str(r)
 
 
+def _negative_power(x):
+    return x**-0.5  # FAULT:pow
+
+
+def _big_power(x):
+    return x**8  # FAULT:integer-pow
+
+
+@pytest.mark.parametrize(
+    "f, primitive, marker, diagnosis",
+    [
+        (_negative_power, "pow", "pow", "division by ~0"),
+        (_big_power, "integer_pow", "integer-pow", "overflow"),
+    ],
+    ids=["zero_to_a_negative_power", "big_to_a_positive_power"],
+)
+def test_a_power_is_a_division_by_0_or_an_overflow_by_its_base(f, primitive, marker, diagnosis):
+    """``0 ** -0.5`` divides by ~0; ``1e6 ** 8`` overflows even when another element is 0."""
+    x = jnp.asarray([4.0, 0.0, 1e6], jnp.float32)
+    r = _check(f, (x,), primitive, marker, "inf")
+    assert r.diagnosis == diagnosis, str(r)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_where_sqrt_gradient_blames_forward_sqrt(dtype):
     def f(x):

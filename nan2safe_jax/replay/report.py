@@ -316,13 +316,17 @@ def diagnose(
             f"rsqrt of {n_bad} value(s) at or near zero "
             f"(min |input| = {in_stats[0]['min_abs']:.3g}); e.g. a variance of 0 with eps=0"
         )
-    if primitive in _DOMAIN_PRIMS:
+    if primitive in ("pow", "integer_pow") and kind == "inf" and invals:
+        # a negative power of ~0 (0 ** -0.5) divides by ~0; a positive one of a big value
+        # overflows: told apart by the bases at the non-finite elements
+        base = _broadcast(invals[0], out_np.shape)
+        if base is not None and bad.any() and float(np.abs(base[bad]).max()) < 1e-6:
+            return "division by ~0", f"negative power of a value near 0 on {n_bad} element(s)"
+    if primitive in _DOMAIN_PRIMS and not (primitive == "pow" and kind == "inf"):
         lo = in_stats[0].get("min") if in_stats else None
         return "log/sqrt domain", (
             f"{primitive} outside its domain on {n_bad} element(s) (min input = {lo!r})"
         )
-    if primitive == "integer_pow" and kind == "inf" and (in_stats[0].get("min_abs") or 1.0) < 1e-6:
-        return "division by ~0", f"negative power of a value near 0 on {n_bad} element(s)"
     share = f" ({100 * max_in / fmax:.3g}% of the max)" if fmax else ""
     if kind == "inf":
         return "overflow", (
