@@ -405,6 +405,14 @@ class Trainer:
             action="the state is damaged: roll back to the newest finite checkpoint",
         )
         self.log.append("damaged", done.step, report=report.to_dict(), action=decision.action)
+        self.incidents += 1  # bounded like any incident: damage that never stops ends the run
+        if self.incidents > self.cfg.max_incidents:
+            self.log.append("error", done.step, detail=f"{self.incidents} incidents: stopping")
+            raise NanIncidentError(
+                f"{self.incidents} non-finite incidents (max_incidents="
+                f"{self.cfg.max_incidents}); last report:\n{report}",
+                report,
+            )
         return self._rollback(done, decision)
 
     def _gear_events(self, step_no: int, m: dict) -> None:
