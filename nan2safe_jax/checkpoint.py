@@ -231,7 +231,19 @@ class Checkpointer:
             self._probes.mkdir(parents=True, exist_ok=True)
             (self._probes / f"{int(step)}.json").write_text(json.dumps(list(names)))
         self._manager.save(int(step), args=ocp.args.StandardSave(_to_saveable(state)), force=True)
+        self._prune_probe_names()
         return True
+
+    def _prune_probe_names(self) -> None:
+        """Deletes the probe-name files of checkpoints older than the oldest orbax keeps
+        (its ``max_to_keep`` deletes the checkpoints themselves, not these files)."""
+        kept = self._manager.all_steps()
+        if not kept or not self._probes.is_dir():
+            return
+        oldest = min(kept)
+        for f in self._probes.glob("*.json"):
+            if f.stem.isdigit() and int(f.stem) < oldest:
+                f.unlink(missing_ok=True)
 
     def restore(self, step: int, template):
         """Restores checkpoint ``step`` into the structure (and shardings) of ``template``.

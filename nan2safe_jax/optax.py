@@ -63,7 +63,10 @@ def dynamic_loss_scale(cfg: Config) -> optax.GradientTransformationExtraArgs:
     Backs off by ``1 / loss_scale_factor`` on a non-finite step, grows by ``loss_scale_factor``
     after ``loss_scale_period`` finite steps, stays within ``[loss_scale_min, loss_scale_max]``,
     and is cut by ``loss_scale_downshift`` (1/256) when the gear leaves FAST (the first downshift:
-    too large a scale is what overflows fp16 gradients).
+    too large a scale is what overflows fp16 gradients). The cut belongs to the lower gears: the
+    recovery to FAST undoes it (else each alarm would cost 1/256 for good, and a run that
+    recovered twice would train at FAST near ``loss_scale_min``, where small fp16 gradients
+    flush to 0; a scale still too large then backs off as any overflow does).
 
     The step reads the scale with ``loss_scale_of(opt_state)`` to scale the loss, then passes the
     *unscaled* gradients to ``update``.
@@ -86,7 +89,9 @@ def dynamic_loss_scale(cfg: Config) -> optax.GradientTransformationExtraArgs:
         scale = jnp.where(ok, state.scale, state.scale / cfg.loss_scale_factor)
         scale = jnp.where(grow, scale * cfg.loss_scale_factor, scale)
         downshift = (state.level == Gear.FAST) & (level > Gear.FAST)
+        recover = (state.level > Gear.FAST) & (level == Gear.FAST)
         scale = jnp.where(downshift, scale * cfg.loss_scale_downshift, scale)
+        scale = jnp.where(recover, scale / cfg.loss_scale_downshift, scale)
         scale = jnp.clip(scale, cfg.loss_scale_min, cfg.loss_scale_max).astype(jnp.float32)
         new = LossScaleState(scale, jnp.where(grow, 0, good).astype(jnp.int32), level)
         return updates, new

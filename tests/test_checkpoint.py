@@ -108,6 +108,18 @@ def test_restore_before_a_step(tmp_path, trained):
     assert ck.restore_latest(trained, before=2) is None
 
 
+def test_probe_name_files_follow_orbax_retention(tmp_path, trained):
+    """``max_to_keep`` deletes old checkpoints; their probe-name files go too."""
+    ck = Checkpointer(tmp_path / "ck", max_to_keep=2, async_save=False)
+    for step in (2, 4, 6, 8):
+        ck.save(step, trained)
+    assert ck.steps() == [6, 8]
+    names = sorted(int(f.stem) for f in (tmp_path / "ck_probes").glob("*.json"))
+    assert names == [6, 8]
+    _, step = ck.restore_latest(trained)
+    assert step == 8
+
+
 def test_state_is_finite_matches_the_host_check_in_one_process(trained):
     from nan2safe_jax.checkpoint import state_is_finite
 

@@ -42,6 +42,10 @@ def test_loss_scale_backoff_growth_bounds_and_downshift():
     assert float(s.scale) == 2.0**12 / 256  # the first downshift cuts by 1/256
     _, s2 = upd(_grads(1.0), s, gear=jnp.int32(Gear.STABLE))
     assert float(s2.scale) == float(s.scale)  # only on the transition
+    _, s3 = upd(_grads(1.0), s2, gear=jnp.int32(Gear.FAST))
+    assert float(s3.scale) == 2.0**12  # the recovery to FAST undoes the cut
+    _, s4 = upd(_grads(1.0), s3, gear=jnp.int32(Gear.FAST))
+    assert float(s4.scale) == float(s3.scale)  # only on the transition
 
 
 def test_loss_scale_state_round_trips_through_jit():
