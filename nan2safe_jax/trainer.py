@@ -418,12 +418,14 @@ class Trainer:
     def _gear_events(self, step_no: int, m: dict) -> None:
         if m["next_gear"] > m["gear"] and m["next_gear"] == Gear.STABLE:
             fired = [k for k, v in m["probe_risk"].items() if v > 0]
+            top = max((m["probe_risk"][k] for k in fired), default=0.0)
             self.log.append(
                 "downshift",
                 step_no,
                 **{"from": m["gear"], "to": m["next_gear"]},
                 risk=m["risk"],
-                probes=fired,
+                probes=fired,  # every probe with a risk; ``trigger``: those at the highest
+                trigger=[k for k in fired if m["probe_risk"][k] == top],
                 cause=_downshift_cause(m),
             )
         elif m["next_gear"] < m["gear"] and m["next_gear"] == Gear.FAST:

@@ -78,6 +78,8 @@ def test_fault_is_located_put_in_safe_and_recovers(tmp_path, capsys):
     tr = Trainer(model, tx, loss, cfg, tmp_path / "run", factory=factory, has_aux=True)
     hist = tr.fit(batches, steps=30)
     ev = tr.events
+    for e in (e for e in ev if e["type"] == "downshift"):  # the top-risk probes, among those
+        assert set(e["trigger"]) <= set(e["probes"]) and bool(e["trigger"]) == bool(e["probes"])
     locate = [e for e in ev if e["type"] == "locate"]
     assert locate, _types(ev)
     rep = locate[0]["report"]
