@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
 import jax
@@ -214,6 +215,18 @@ def decide(step_fn, before, batch, after, metrics: dict, cfg: Config) -> Decisio
     return _downshift(report, before.gear, after.gear, cfg, nearest=nearest)
 
 
+# The train step's own bookkeeping (norms, loss scale, detector, gears): a culprit there was
+# made from finite model values, by a sum or a norm that passes f32's range.
+_STEP_FILES = ("numerics.py", "train.py", "optax.py", "detector.py", "probe.py", "gear.py")
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def in_step_bookkeeping(report: Report) -> bool:
+    """Whether the culprit is an equation of the train step's own bookkeeping (not a site's)."""
+    path = (report.source or "").rsplit(":", 1)[0]
+    return path.startswith(_PACKAGE) and os.path.basename(path) in _STEP_FILES
+
+
 def unsited_hint(report: Report, sites, nearest: str | None = None) -> str:
     """Says plainly that the culprit is in no site, where it is, and how to make it one.
 
@@ -222,6 +235,16 @@ def unsited_hint(report: Report, sites, nearest: str | None = None) -> str:
       sites: the model's site names.
       nearest: the site nearest to the culprit in program order (``replay.nearest_site``).
     """
+    if in_step_bookkeeping(report):
+        big = max((s.get("max_abs") or 0.0 for s in report.inputs), default=0.0)
+        return (
+            f"the culprit `{report.primitive}` at {report.source} is the train step's own "
+            f"bookkeeping (its f32 sum of squares of the gradients or of the update): every "
+            f"value the model computed is finite, but its inputs reach {big:.3g} and square "
+            "past f32's range (a norm past ~1.8e19). Gradients that large come from the loss or from a "
+            "layer's weights, not from an op a gear can change: look at the loss and the "
+            "largest weights"
+        )
     where = report.user_source or report.source or "an unknown line"
     scope = "" if report.site is None else f" (its scope names {report.site!r}, no site's gear)"
     text = (

@@ -90,6 +90,21 @@ def test_a_model_variable_that_overflows_while_the_loss_is_finite_is_skipped_and
     # ::test_a_model_variable_that_overflows_is_located_and_the_model_safe_stay_logged_once
 
 
+def test_finite_gradients_whose_norm_passes_f32_are_named_as_the_steps_own_sum():
+    """Every gradient finite but ~1e21: the step's one-pass f32 sum of squares overflows, so the
+    step is skipped. Tier 2's culprit is then that sum, in the library's own step code; the
+    hint says so and points at the loss and the weights, not at ``convert``."""
+    state = TrainState.create(Net(rngs=nnx.Rngs(0)), optax.sgd(0.0))
+    step = make_train_step(lambda m, b: 1e22 * jnp.mean(m(b[0])))
+    x, y = data(1)
+    _, m = step(state, (x[0], y[0]))
+    assert bool(jnp.isfinite(m["loss"])) and bool(m["skipped"])
+    report = nan2safe.replay.locate_step(step, state, (x[0], y[0]))
+    assert incidents.in_step_bookkeeping(report), report.source
+    hint = incidents.unsited_hint(report, state.gear.sites)
+    assert "train step's own bookkeeping" in hint and "convert" not in hint
+
+
 def _nan_update_at(k, factor=jnp.nan):
     """An optimizer fault: a finite gradient whose update is NaN at the optimizer's step k (or
     multiplied by another ``factor``)."""
