@@ -241,9 +241,9 @@ def unsited_hint(report: Report, sites, nearest: str | None = None) -> str:
             f"the culprit `{report.primitive}` at {report.source} is the train step's own "
             f"bookkeeping (its f32 sum of squares of the gradients or of the update): every "
             f"value the model computed is finite, but its inputs reach {big:.3g} and square "
-            "past f32's range (a norm past ~1.8e19). Gradients that large come from the loss or from a "
-            "layer's weights, not from an op a gear can change: look at the loss and the "
-            "largest weights"
+            "past f32's range (a norm past ~1.8e19). Gradients that large come from the loss "
+            "or from a layer's weights, not from an op a gear can change: look at the loss and "
+            "the largest weights"
         )
     where = report.user_source or report.source or "an unknown line"
     scope = "" if report.site is None else f" (its scope names {report.site!r}, no site's gear)"
