@@ -42,11 +42,7 @@ def all_finite(tree) -> jax.Array:
     Returns:
       A bool scalar array.
     """
-    leaves = [
-        jnp.all(jnp.isfinite(x))
-        for x in jax.tree_util.tree_leaves(tree)
-        if _inexact(jnp.asarray(x).dtype)
-    ]
+    leaves = [jnp.all(jnp.isfinite(x)) for x in floating_leaves(tree)]
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 

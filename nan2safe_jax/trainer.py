@@ -406,14 +406,20 @@ class Trainer:
         )
         self.log.append("damaged", done.step, report=report.to_dict(), action=decision.action)
         self.incidents += 1  # bounded like any incident: damage that never stops ends the run
-        if self.incidents > self.cfg.max_incidents:
-            self.log.append("error", done.step, detail=f"{self.incidents} incidents: stopping")
-            raise NanIncidentError(
-                f"{self.incidents} non-finite incidents (max_incidents="
-                f"{self.cfg.max_incidents}); last report:\n{report}",
-                report,
-            )
+        self._stop_past_max_incidents(done.step, decision)
         return self._rollback(done, decision)
+
+    def _stop_past_max_incidents(self, step_no: int, decision) -> None:
+        """Raises ``NanIncidentError`` (logged) once ``incidents`` passes ``max_incidents``."""
+        if self.incidents <= self.cfg.max_incidents:
+            return
+        self.log.append("error", step_no, detail=f"{self.incidents} incidents: stopping")
+        hint = "" if decision.hint is None else f"\n{decision.hint}"
+        raise NanIncidentError(
+            f"{self.incidents} non-finite incidents (max_incidents="
+            f"{self.cfg.max_incidents}); last report:\n{decision.report}{hint}",
+            decision.report,
+        )
 
     def _gear_events(self, step_no: int, m: dict) -> None:
         if m["next_gear"] > m["gear"] and m["next_gear"] == Gear.STABLE:
@@ -495,14 +501,7 @@ class Trainer:
             log.info("step %d: %s\n%s", done.step, decision.action, report)
         else:  # damaged
             self.log.append("damaged", done.step, report=rd, action=decision.action)
-        if self.incidents > self.cfg.max_incidents:
-            self.log.append("error", done.step, detail=f"{self.incidents} incidents: stopping")
-            hint = "" if decision.hint is None else f"\n{decision.hint}"
-            raise NanIncidentError(
-                f"{self.incidents} non-finite incidents (max_incidents="
-                f"{self.cfg.max_incidents}); last report:\n{report}{hint}",
-                report,
-            )
+        self._stop_past_max_incidents(done.step, decision)
         if decision.restore and decision.kind == "repeat" and done.replayed:
             # The same batch fails in SAFE again on the replay after a rollback: the batch, not
             # the state, is at fault. Another rollback would loop; its step stays skipped.

@@ -120,7 +120,7 @@ class Ctx:
         # Per record (parallel to ``recs``): ids of every value it reads (a known branch's
         # dropped operands left out) and writes, of any dtype, for ``_needed``; the values are
         # pinned so that no id is reused while the walk runs.
-        self.links: list[tuple[tuple[int, ...], ...] | None] = []
+        self.links: list[tuple[tuple[int, ...], ...]] = []
         self.output_ids: frozenset = frozenset()
         # Value indices of the top level's closed-over constants (``ClosedJaxpr.consts``): the
         # replay passes them as operands, yet like a literal they are no equation's result.
@@ -335,27 +335,18 @@ class Ctx:
 
         Results nothing reads count as needed (as in ``_reaches``: a later program may read
         them; a prefix's lower bound keeps them too, as every observation counted before a
-        dropped one was told apart). A record without link information is needed.
+        dropped one was told apart). A loop instrumented in place (``given``) is needed.
         """
-        m = len(self.recs)
-        out = np.ones(m, bool)
-        if len(self.links) != m:
-            return out
+        out = np.ones(len(self.recs), bool)
         read: set[int] = set()
-        for ln in self.links:
-            if ln is not None:
-                read.update(ln[0], ln[2])
+        for reads, _, drops in self.links:
+            read.update(reads, drops)
         need = set(self.output_ids)
-        for k in range(m - 1, -1, -1):
-            ln = self.links[k]
-            if ln is None or self.recs[k][0] == "given":
-                if ln is not None:
-                    need.update(ln[0])
-                continue
-            reads, writes, _ = ln
-            used = not writes or any(w in need or w not in read for w in writes)
-            out[k] = used
-            if used:
+        for k in range(len(self.recs) - 1, -1, -1):
+            reads, writes, _ = self.links[k]
+            if self.recs[k][0] != "given":
+                out[k] = not writes or any(w in need or w not in read for w in writes)
+            if out[k]:
                 need.update(reads)
         return out
 
