@@ -152,17 +152,45 @@ def _layouts(like):
             yield old, lambda st: _without_site_variables(_packed(st, with_sites), like)
 
 
-def _layout_of(shapes, like):
+class CheckpointMismatchError(ValueError):
+    """A readable checkpoint that was written for another state: a model whose parameters
+    changed shape or number since the run saved it. Not corruption, so it is never skipped:
+    skipping would start the run again and its saves would replace the old run's checkpoints."""
+
+
+def _layout_of(shapes, like, path):
     """The ``(layout, back)`` of ``_layouts(like)`` whose arrays have exactly ``shapes``
-    (today's when none has, or the shapes are unknown: restoring it then reports the
-    mismatch)."""
-    for layout, back in _layouts(like) if shapes is not None else []:
+    (today's when the shapes are unknown: restoring it then reports what is wrong).
+
+    Raises:
+      CheckpointMismatchError: no layout has ``shapes``; names the first difference with
+        today's layout.
+    """
+    if shapes is None:
+        return like, lambda st: st
+    for layout, back in _layouts(like):
         leaves = jax.tree_util.tree_leaves(_abstract(layout))
         if len(leaves) == len(shapes) and all(
             tuple(a.shape) == s for a, s in zip(leaves, shapes, strict=True)
         ):
             return layout, back
-    return like, lambda st: st
+    raise CheckpointMismatchError(
+        f"checkpoint {path} was written for a different model: {_first_difference(shapes, like)}."
+        " Resume with the model (and probe set) the run was made with, or give this model a new"
+        " workdir; checkpoints of a changed model are not restored"
+    )
+
+
+def _first_difference(shapes, like) -> str:
+    """Where the saved ``shapes`` and ``like``'s arrays first differ, by the state's leaf path."""
+    named = jax.tree_util.tree_flatten_with_path(like)[0]
+    if len(named) != len(shapes):
+        return f"it holds {len(shapes)} arrays, this state {len(named)}"
+    for (key, leaf), saved in zip(named, shapes, strict=True):
+        have = tuple(np.shape(jax.random.key_data(leaf) if _is_key(leaf) else leaf))
+        if have != saved:
+            return f"{jax.tree_util.keystr(key)} has shape {saved} there, {have} here"
+    return "the arrays differ"
 
 
 def _probe_names(state) -> tuple[str, ...] | None:
@@ -197,7 +225,12 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        # One fixed item handler: without it orbax infers single or multi item from the first
+        # step folder it reads, and one stray folder (empty, or missing ``default/``) would
+        # make every good checkpoint unreadable.
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler()
+        )
         self._probes = self.directory.parent / f"{self.directory.name}_probes"
 
     def steps(self) -> list[int]:
@@ -257,7 +290,7 @@ class Checkpointer:
         like = template
         if saved_names is not None and names is not None and saved_names != names:
             like = template.with_probes(saved_names)
-        layout, back = _layout_of(self._saved_shapes(step), like)
+        layout, back = _layout_of(self._saved_shapes(step), like, self.path(step))
         saved = self._manager.restore(int(step), args=ocp.args.StandardRestore(_abstract(layout)))
         state = back(_from_saved(saved, layout))
         return state if like is template else state.with_probes(names)
@@ -286,6 +319,10 @@ class Checkpointer:
 
         A checkpoint that fails to restore (truncated, corrupt) or holds non-finite values is
         skipped with a warning.
+
+        Raises:
+          CheckpointMismatchError: the newest checkpoint was written for a different state (a
+            changed model): an error, since nothing older of the same run would fit either.
         """
         self.wait()
         for step in reversed(self.steps()):
@@ -293,6 +330,8 @@ class Checkpointer:
                 continue
             try:
                 state = self.restore(step, template)
+            except CheckpointMismatchError:
+                raise
             except Exception as err:  # orbax raises many types for a damaged directory
                 warnings.warn(
                     f"checkpoint {self.directory / str(step)} is incomplete or corrupt "

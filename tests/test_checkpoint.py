@@ -13,7 +13,7 @@ from tiny_models import Net, data, loss_fn
 
 from nan2safe_jax import Gear, TrainState, make_train_step
 from nan2safe_jax import gear as G
-from nan2safe_jax.checkpoint import Checkpointer, tree_is_finite
+from nan2safe_jax.checkpoint import Checkpointer, CheckpointMismatchError, tree_is_finite
 
 
 def _trained(steps=3, seed=0):
@@ -97,6 +97,52 @@ def test_corrupt_checkpoint_is_skipped_with_a_warning(tmp_path, trained):
         restored, step = Checkpointer(tmp_path / "ck").restore_latest(trained)
     assert step == 3
     _equal(restored, trained)
+
+
+def test_a_checkpoint_of_a_changed_model_raises_and_is_left_as_it_is(tmp_path, trained):
+    """A model whose head grew is not a corrupt checkpoint: skipping it would start the run
+    again, and its saves would replace the old run's checkpoints. An error names the array."""
+    ck = Checkpointer(tmp_path / "ck", async_save=False)
+    ck.save(3, trained)
+    ck.save(6, trained.replace(step=trained.step + 3))
+    ck.close()
+    wider = Net(rngs=nnx.Rngs(0))
+    wider.head = nnx.Linear(wider.head.in_features, 2, rngs=nnx.Rngs(1))
+    other = TrainState.create(wider, optax.adam(1e-3))
+    ck = Checkpointer(tmp_path / "ck", async_save=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not a "corrupt, skipped" warning either
+        said = r"different model: .*head.*\(1,\) there, \(2,\) here"
+        with pytest.raises(CheckpointMismatchError, match=said):
+            ck.restore_latest(other)
+    assert isinstance(CheckpointMismatchError("x"), ValueError)
+    assert ck.steps() == [3, 6]
+    restored, step = ck.restore_latest(trained)  # the run's own model still resumes
+    assert step == 6
+
+
+@pytest.mark.parametrize("stray", ["empty_step_folder", "step_without_its_item"])
+def test_a_stray_step_folder_hides_no_good_checkpoint(tmp_path, trained, stray):
+    """orbax infers single or multi item from the first step folder it reads; one stray folder
+    must not make the good checkpoints unreadable, nor the next save fail."""
+    ck = Checkpointer(tmp_path / "ck", async_save=False)
+    ck.save(3, trained)
+    ck.save(6, trained.replace(step=trained.step + 3))
+    ck.close()
+    if stray == "empty_step_folder":
+        (tmp_path / "ck" / "9").mkdir()
+        want = 6
+    else:
+        import shutil
+
+        shutil.rmtree(tmp_path / "ck" / "6" / "default")
+        want = 3
+    ck = Checkpointer(tmp_path / "ck", async_save=False, max_to_keep=5)
+    with pytest.warns(UserWarning, match="incomplete or corrupt"):
+        _, step = ck.restore_latest(trained)
+    assert step == want
+    assert ck.save(12, trained.replace(step=trained.step + 9))
+    assert ck.restore_latest(trained)[1] == 12
 
 
 def test_restore_before_a_step(tmp_path, trained):
