@@ -36,6 +36,7 @@ from nan2safe_jax.gear import Gear
 from nan2safe_jax.runlog import EventLog
 from nan2safe_jax.spikes import Spike, SpikeWatch
 from nan2safe_jax.train import TrainState, make_train_step
+from nan2safe_jax.workdir import WorkdirLock, check_workdir
 
 log = logging.getLogger(__name__)
 
@@ -87,22 +88,6 @@ def _compile_cache(setting, workdir: Path) -> Path | None:
     return compile_cache_lib.enable(setting)
 
 
-def _check_workdir(workdir) -> Path:
-    if workdir is None:
-        raise ValueError("workdir is required: checkpoints, events and incidents are kept there")
-    path = Path(workdir)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"workdir {str(path)!r} exists and is not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".nan2safe_write_test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as err:
-        raise ValueError(f"workdir {str(path)!r} is not writable: {err}") from None
-    return path
-
-
 def _host(metrics: dict) -> dict:
     """One device->host transfer of a step's metrics, as plain Python values."""
     m = jax.device_get(metrics)
@@ -121,7 +106,25 @@ def _host(metrics: dict) -> dict:
         site_gears={k: np.asarray(v).tolist() for k, v in m["site_gears"].items()},
         probe_risk={k: float(v) for k, v in m["probe_risk"].items()},
     )
+    if "aux" in m:  # ``has_aux``: the loss function's own values, as host values
+        out["aux"] = jax.tree_util.tree_map(_host_value, m["aux"])
     return out
+
+
+def _host_value(x):
+    """A Python number for a scalar, a numpy array otherwise."""
+    return x.item() if np.ndim(x) == 0 and hasattr(x, "item") else np.asarray(x)
+
+
+def _config_changes(record: Path, config: dict) -> dict:
+    """``{field: [old, new]}`` for each config field that differs from the run record
+    ``record`` (empty when there is no readable record)."""
+    try:
+        old = json.loads(record.read_text()).get("config", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    new = json.loads(json.dumps(config))  # the record's own types (tuples as lists)
+    return {k: [old.get(k), v] for k, v in new.items() if old.get(k) != v}
 
 
 def load_factory(spec: str):
@@ -165,7 +168,11 @@ class Trainer:
         (``nan2safe_jax.compile_cache``). ``trainer.compile_cache`` is the directory in use.
 
     Raises:
-      ValueError: bad workdir, config or compile_cache.
+      ValueError: bad workdir, config or compile_cache, or another process's trainer holds
+        the workdir (a trainer of this process that holds it is closed: the new one takes the
+        workdir over; ``nan2safe_jax.workdir``).
+      CheckpointMismatchError: the workdir's checkpoints were written for a different model
+        (a ``ValueError``; the checkpoints and ``run.json`` are left as they are).
     """
 
     def __init__(
@@ -188,7 +195,7 @@ class Trainer:
         self.cfg = Config() if cfg is None else cfg
         if not isinstance(self.cfg, Config):
             raise ValueError(f"cfg must be a nan2safe.Config, got {type(self.cfg).__name__}")
-        self.workdir = _check_workdir(workdir)
+        self.workdir = check_workdir(workdir)
         self.compile_cache = _compile_cache(compile_cache, self.workdir)
         self.loss_fn = loss_fn
         self.progress = progress
@@ -199,6 +206,8 @@ class Trainer:
         self.step_fn = make_train_step(
             loss_fn, lr_schedule=lr_schedule, rules=self.rules, has_aux=has_aux
         )
+        # Held until ``close``: a second trainer would overwrite this run's checkpoints.
+        self._lock = WorkdirLock(sharding_lib.log_dir(self.workdir), self)
         self.checkpoints = Checkpointer(self.workdir / "checkpoints")
         self.log = EventLog(sharding_lib.log_dir(self.workdir))  # one log per process
         # (step, batch) of the latest finished steps: what a rollback replays.
@@ -213,22 +222,29 @@ class Trainer:
         self.step = 0
         self._last_sites: dict[str, Any] = {}
         self._last_level: int | None = None
-        (self.workdir / "run.json").write_text(
-            json.dumps(
-                {"factory": factory, "config": dataclasses.asdict(self.cfg), "has_aux": has_aux},
-                indent=1,
-            )
-        )
-        if resume:
-            self._resume()
+        run = {"factory": factory, "config": dataclasses.asdict(self.cfg), "has_aux": has_aux}
+        try:
+            if resume:
+                self._resume(run)
+        except BaseException:
+            self.close()
+            raise
+        # Written once the run is known to go on here: a refused resume keeps the old record.
+        (self.workdir / "run.json").write_text(json.dumps(run, indent=1))
 
     # ------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
-        """Waits for pending checkpoints and closes the checkpoint manager and the event log."""
+        """Waits for pending checkpoints, closes the checkpoint manager and the event log, and
+        lets the workdir go (another trainer may then take it)."""
         if not self.log.closed:
             self.checkpoints.close()
             self.log.close()
+        self._lock.release()
+
+    @property
+    def closed(self) -> bool:
+        return self.log.closed
 
     def __enter__(self) -> Trainer:
         return self
@@ -236,7 +252,16 @@ class Trainer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _resume(self) -> None:
+    def _resume(self, run: dict) -> None:
+        """Restores the newest good checkpoint of the workdir, if any, and logs ``resume``.
+
+        Args:
+          run: this trainer's ``run.json`` record; config fields that differ from the record
+            the workdir holds are listed in the event (``config_changed``) and warned about.
+
+        Raises:
+          CheckpointMismatchError: the checkpoints were written for a different model.
+        """
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             found = self.checkpoints.restore_latest(self.state)
@@ -247,12 +272,20 @@ class Trainer:
             return
         self.state, step = found
         self.step = int(step)
+        changed = _config_changes(self.workdir / "run.json", run["config"])
+        if changed:
+            warnings.warn(
+                f"resuming {str(self.workdir)!r} with a changed config: "
+                + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()),
+                stacklevel=3,
+            )
         self.log.append(
             "resume",
             self.step,
             from_step=self.step,
             path=str(self.checkpoints.path(step)),
             gear=int(self.state.gear.level),
+            **({"config_changed": changed} if changed else {}),
         )
 
     @property
@@ -280,6 +313,11 @@ class Trainer:
         """
         if not isinstance(steps, int) or steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+        if self.closed:
+            raise ValueError(
+                f"this Trainer of {str(self.workdir)!r} is closed (a newer Trainer may hold the "
+                "workdir): create a new one to go on"
+            )
         history: list[dict] = []
         bar = _Progress(steps) if self.progress else None
         source = iter(batches)

@@ -53,6 +53,36 @@ def _types(events):
     return [e["type"] for e in events]
 
 
+def test_one_trainer_per_workdir_and_a_changed_model_never_overwrites_the_run(tmp_path):
+    """A second trainer of this process takes the workdir over (the first is closed); one of a
+    changed model is refused before it writes anything; a changed config is said on resume."""
+    run = tmp_path / "run"
+    first = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, run)
+    first.fit(_batches(5), steps=5)
+    with pytest.warns(UserWarning, match="takes workdir .* over"):
+        second = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, run)
+    assert first.closed and second.step == 5
+    with pytest.raises(ValueError, match="is closed"):
+        first.fit(_batches(1), steps=1)
+    second.close()
+    record = (run / "run.json").read_text()
+
+    wider = Net(rngs=nnx.Rngs(0))
+    wider.head = nnx.Linear(D, 2, rngs=nnx.Rngs(1))
+    with pytest.raises(ValueError, match="written for a different model: .*head"):
+        Trainer(wider, optax.adam(1e-3), loss_fn, CFG, run)
+    assert (run / "run.json").read_text() == record
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [5]
+
+    looser = Config(checkpoint_every=5, safe_max_steps=3, recovery_window=9, min_history=8)
+    with pytest.warns(UserWarning, match="changed config: recovery_window 8 -> 9"):
+        with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, looser, run) as third:
+            assert third.step == 5  # the workdir was let go when the refused trainer closed
+    (resume,) = [e for e in read_events(run) if e["type"] == "resume"][-1:]
+    assert resume["config_changed"] == {"recovery_window": [8, 9]}
+    assert json.loads((run / "run.json").read_text())["config"]["recovery_window"] == 9
+
+
 def test_clean_run_checkpoints_and_logs(tmp_path):
     tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
     hist = tr.fit(_batches(12), steps=12)
@@ -110,6 +140,10 @@ def test_fault_is_located_put_in_safe_and_recovers(tmp_path, capsys):
     assert (offline["primitive"], offline["site"]) == (rep["primitive"], rep["site"])
     assert offline["source"] == rep["source"]
     assert json.loads((tmp_path / "run" / "run.json").read_text())["has_aux"] is True
+    # has_aux: the loss function's own values land in the history and in metrics.jsonl.
+    assert all(isinstance(h["aux"]["mean_out"], float) for h in hist)
+    logged = read_metrics(tmp_path / "run")
+    assert logged and all(set(r["aux"]) == {"mean_out"} for r in logged)
     # No incident at that step, or a factory that does not import: a message, not a traceback.
     capsys.readouterr()
     assert cli.main(["locate", str(tmp_path / "run"), "--step", "3"]) == 2
