@@ -29,6 +29,9 @@ def _locate(args) -> int:
     from nan2safe_jax.trainer import load_factory, load_incident
 
     workdir = Path(args.workdir)
+    if not workdir.is_dir():
+        print(f"run directory {str(workdir)!r} does not exist", file=sys.stderr)
+        return 2
     run = json.loads((workdir / "run.json").read_text()) if (workdir / "run.json").exists() else {}
     spec = args.factory or run.get("factory")
     if not spec:
@@ -64,13 +67,49 @@ def _locate(args) -> int:
     return 0
 
 
+def _run_dir(path: str) -> Path | None:
+    """The run directory ``path`` names (the folder itself, or the folder of its
+    ``events.jsonl`` / ``metrics.jsonl``); None, said on stderr, when it holds no run record."""
+    from nan2safe_jax.runlog import EVENTS_FILE, METRICS_FILE
+
+    wd = Path(path)
+    if wd.is_file() and wd.name in (EVENTS_FILE, METRICS_FILE):
+        wd = wd.parent
+    if not wd.is_dir():
+        say = f"run directory {str(wd)!r} does not exist; pass the Trainer's workdir"
+        print(say, file=sys.stderr)
+        return None
+    if not any((wd / f).exists() for f in (EVENTS_FILE, METRICS_FILE)):
+        print(
+            f"{str(wd)!r} holds no run record ({EVENTS_FILE} or {METRICS_FILE}); pass the "
+            "Trainer's workdir",
+            file=sys.stderr,
+        )
+        return None
+    return wd
+
+
 def _report(args) -> int:
     from nan2safe_jax import runlog as report
 
-    path = report.dashboard(args.workdir)
-    report.print_summary(args.workdir)
-    report.write_tensorboard(args.workdir)
+    wd = _run_dir(args.workdir)
+    if wd is None:
+        return 2
+    report.print_summary(wd)
+    out = Path(args.out) if args.out else wd / report.DASHBOARD_FILE
+    try:
+        path = report.dashboard(wd, out)
+    except OSError as err:
+        print(f"cannot write the dashboard ({err}); pass --out PATH", file=sys.stderr)
+        return 2
     print(f"dashboard: {path}")
+    tb = out.parent / "tensorboard"
+    try:
+        written = report.write_tensorboard(wd, tb)
+    except OSError as err:
+        print(f"tensorboard: not written ({err})")
+    else:
+        print(f"tensorboard: {tb}" if written else "tensorboard: not written (needs tensorboardX)")
     return 0
 
 
@@ -103,12 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     loc.add_argument("--json", help="also write the report as JSON here")
     loc.set_defaults(fn=_locate)
 
-    rep = sub.add_parser("report", help="write WORKDIR/dashboard.png and print a summary")
+    rep = sub.add_parser(
+        "report", help="print a run's summary and write its dashboard (WORKDIR/dashboard.png)"
+    )
     rep.add_argument("workdir")
+    rep.add_argument("--out", help="write the dashboard here instead (and tensorboard/ beside it)")
     rep.set_defaults(fn=_report)
 
+    names = sorted(p.stem for p in (_REPO / "benchmarks").glob("*.py") if p.stem[0] != "_")
     bench = sub.add_parser("bench", help="run benchmarks/NAME.py with the given arguments")
-    bench.add_argument("name")
+    bench.add_argument("name", help=f"one of {', '.join(names)} (a checkout's benchmarks/)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(fn=_bench)
 

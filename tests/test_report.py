@@ -189,9 +189,24 @@ def test_summary_dedupes_rerun_steps_and_counts_what_the_first_run_skipped(tmp_p
         for s, loss in runs:
             log.log_metrics({"step": s, "loss": loss, "time": 10.0 + s, "skipped": loss != loss})
         log.append("safe_enter", 2, site=None, steps=8, scope="global")
+        log.append("rollback", 2, to_step=1)
     s = R.summary(tmp_path)
     assert (s["steps"], s["records"], s["nonfinite_losses"], s["skipped"]) == (4, 6, 1, 1)
     assert s["final_loss"] == 1.0 and s["safe_sites"] == ["global"]
+    assert (s["rollbacks"], s["resumes"]) == (1, 0)
+    from rich.console import Console
+
+    console = Console(record=True, width=140)
+    R.print_summary(tmp_path, console=console)
+    assert "2 re-run after a rollback)" in console.export_text()
+    # A run killed and resumed re-runs the steps after its last checkpoint: not a rollback.
+    with R.EventLog(tmp_path / "resumed") as log:
+        for s_, loss in [(0, 3.0), (1, 2.0), (1, 2.0), (2, 1.0)]:
+            log.log_metrics({"step": s_, "loss": loss, "time": 10.0 + s_})
+        log.append("resume", 1, from_step=1)
+    console = Console(record=True, width=140)
+    R.print_summary(tmp_path / "resumed", console=console)
+    assert "1 re-run after a resume)" in console.export_text()
 
 
 def test_print_summary_renders_table(run_dir):
@@ -334,8 +349,11 @@ def test_write_tensorboard(tmp_path, monkeypatch, run_dir):
     calls = []
 
     class Writer:
-        def __init__(self, logdir):
+        def __init__(self, logdir, filename_suffix=""):
             calls.append(("init", logdir))
+            Path(logdir).mkdir(parents=True, exist_ok=True)
+            n = len([c for c in calls if c[0] == "init"])
+            (Path(logdir) / f"events.out.tfevents.{n}{filename_suffix}").write_text("x")
 
         def add_scalar(self, tag, value, step):
             calls.append(("scalar", tag, value, step))
@@ -353,3 +371,32 @@ def test_write_tensorboard(tmp_path, monkeypatch, run_dir):
     losses = [c for c in calls if c[:2] == ("scalar", "loss")]
     assert len(losses) == 118 and all(math.isfinite(c[2]) for c in losses)
     assert ("text", "events/locate", 41) in calls
+    # Written again (``nan2safe report`` run twice): the earlier file is replaced, not doubled;
+    # a file of another writer in that folder stays.
+    (tmp_path / "tb" / "events.out.tfevents.mine").write_text("y")
+    with pytest.warns(RuntimeWarning):
+        R.write_tensorboard(wd, tmp_path / "tb")
+    left = sorted(p.name for p in (tmp_path / "tb").iterdir())
+    assert left == ["events.out.tfevents.2.nan2safe", "events.out.tfevents.mine"]
+
+
+def test_report_cli_names_what_is_wrong_and_writes_where_told(tmp_path, run_dir, capsys):
+    from nan2safe_jax import cli
+
+    wd, _ = run_dir
+    assert cli.main(["report", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["report", str(tmp_path / "empty")]) == 2
+    assert "holds no run record" in capsys.readouterr().err
+    assert not (tmp_path / "empty" / R.DASHBOARD_FILE).exists()
+    assert cli.main(["locate", str(tmp_path / "nope"), "--step", "1"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    # The events file itself names its run; --out writes elsewhere (a read-only run).
+    out = tmp_path / "elsewhere" / "dash.png"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert cli.main(["report", str(wd / R.EVENTS_FILE), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    printed = capsys.readouterr().out
+    assert "steps run" in printed and f"dashboard: {out}" in printed

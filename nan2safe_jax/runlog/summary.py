@@ -100,8 +100,9 @@ def summary(workdir: str | os.PathLike) -> dict[str, Any]:
       primitive, diagnosis, direction, kind, source, user_source (the model line that called
       a built-in site, whose own ``source`` is a library line), action, replays, seconds,
       reproducible, label), ``incidents_located``, ``safe_entries``, ``safe_sites``, ``safe_exits``,
-      ``recoveries``, ``checkpoints``, ``resumes``, ``transients``, ``polluted_inputs``,
-      ``errors``, ``final_gear``, ``seconds_per_step`` (median) and ``wall_seconds``.
+      ``recoveries``, ``checkpoints``, ``resumes``, ``rollbacks``, ``transients``,
+      ``polluted_inputs``, ``errors``, ``final_gear``, ``seconds_per_step`` (median) and
+      ``wall_seconds``.
     """
     return _summarize(_load(workdir))
 
@@ -173,6 +174,7 @@ def _summarize(run: _Run) -> dict[str, Any]:
         "recoveries": count("recover"),
         "checkpoints": count("checkpoint"),
         "resumes": count("resume"),
+        "rollbacks": count("rollback"),
         "transients": count("transient"),
         "polluted_inputs": count("polluted_input"),
         "errors": count("error"),
@@ -210,7 +212,8 @@ def print_summary(workdir: str | os.PathLike, console=None) -> dict[str, Any]:
     t.add_column("value", justify="right")
     steps = f"{s['steps']}"
     if s["records"] != s["steps"]:
-        steps += f" ({s['records'] - s['steps']} re-run after rollback)"
+        why = [w for w, n in (("a rollback", s["rollbacks"]), ("a resume", s["resumes"])) if n]
+        steps += f" ({s['records'] - s['steps']} re-run after {' or '.join(why) or 'a restart'})"
     if s["first_step"] is not None:
         steps += f"  [{s['first_step']}..{s['last_step']}]"
     t.add_row("steps run", steps)

@@ -10,6 +10,8 @@ from pathlib import Path
 from nan2safe_jax.runlog.events import _as_float
 from nan2safe_jax.runlog.summary import _load
 
+_SUFFIX = ".nan2safe"  # marks the event files this module wrote (and may replace)
+
 
 def write_tensorboard(workdir: str | os.PathLike, logdir: str | os.PathLike | None = None) -> bool:
     """Writes the run's scalars and events for TensorBoard, if ``tensorboardX`` is installed.
@@ -21,6 +23,9 @@ def write_tensorboard(workdir: str | os.PathLike, logdir: str | os.PathLike | No
       workdir: the run directory.
       logdir: where to write; default ``workdir/tensorboard``.
 
+    Each call replaces the files an earlier call wrote there (``*.nan2safe``), so running
+    ``nan2safe report`` again does not show every point twice.
+
     Returns:
       True when written; False when ``tensorboardX`` is not importable (nothing is written).
     """
@@ -30,7 +35,10 @@ def write_tensorboard(workdir: str | os.PathLike, logdir: str | os.PathLike | No
         return False
     wd = Path(workdir)
     run = _load(wd)
-    writer = SummaryWriter(str(Path(logdir) if logdir is not None else wd / "tensorboard"))
+    out = Path(logdir) if logdir is not None else wd / "tensorboard"
+    for old in out.glob(f"events.out.tfevents.*{_SUFFIX}") if out.is_dir() else []:
+        old.unlink(missing_ok=True)
+    writer = SummaryWriter(str(out), filename_suffix=_SUFFIX)
     try:
         for rec in run.records:
             st = int(rec["step"])
