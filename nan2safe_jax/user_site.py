@@ -75,7 +75,8 @@ class Site(nnx.Module):
       name: the site name until ``name_sites`` writes the module path (the Trainer does).
 
     Raises:
-      ValueError: a path is not callable, or is a method bound to an ``nnx.Module``.
+      ValueError: a path is not callable, or is a method bound to an ``nnx.Module``; on a
+        call, the paths return different structures, shapes or dtypes (named per path).
     """
 
     def __init__(
@@ -117,6 +118,7 @@ class Site(nnx.Module):
             return run
 
         operands = [leaves[i] for i in where]
+        _check_paths_agree(self.site_name, self.paths, [path(f) for f in self.paths], operands)
         with site_scope(self.site_name), branch_site(self.site_name):
             out = ops.switch(self._gear(), [path(f) for f in self.paths], *operands)
             if self.probe_output is not None:
@@ -130,3 +132,38 @@ class Site(nnx.Module):
                     else:
                         self.probe_output[...] = stats
         return out
+
+
+_AGREED: set = set()  # (paths, operand specs, call structure) already checked
+
+
+def _check_paths_agree(site: str, fns, runs, operands) -> None:
+    """Raises ``ValueError`` naming the site and the path when the paths' outputs differ in
+    structure, shape or dtype (``lax.switch`` would raise a ``TypeError`` about its own
+    branches, naming neither). Checked once per operand signature, by ``jax.eval_shape``."""
+    specs = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in operands)
+    try:
+        key = (tuple(fns), specs)
+        if key in _AGREED:
+            return
+    except TypeError:  # an unhashable callable: check every time
+        key = None
+    outs = [jax.eval_shape(run, *specs) for run in runs]
+
+    def describe(out):
+        leaves, tree = jax.tree_util.tree_flatten(out)
+        return tree, [f"{jnp.dtype(x.dtype).name}{list(x.shape)}" for x in leaves]
+
+    want_tree, want = describe(outs[0])
+    for label, fn, out in zip(("stable", "safe"), fns[1:], outs[1:], strict=True):
+        tree, got = describe(out)
+        if tree != want_tree or got != want:
+            name = getattr(fn, "__name__", repr(fn))
+            shown = lambda t, g: g[0] if t.num_leaves == 1 else f"{t} of {', '.join(g)}"  # noqa: E731
+            raise ValueError(
+                f"Site {site!r}: the {label} path ({name}) returns {shown(tree, got)}, the fast "
+                f"path returns {shown(want_tree, want)}; every path must return the same "
+                "structure, shapes and dtypes"
+            )
+    if key is not None and len(_AGREED) < 4096:
+        _AGREED.add(key)

@@ -194,6 +194,40 @@ def test_site_validates_its_paths():
         nn.Site(M().f, safe=pool_safe)
 
 
+def _square(x):
+    return x * x
+
+
+def _square_sum(x):  # wrong: drops the last axis
+    return jnp.sum(jnp.square(x.astype(jnp.float32)), -1).astype(x.dtype)
+
+
+def _square_f32(x):  # wrong: another dtype
+    return jnp.square(x.astype(jnp.float32))
+
+
+@pytest.mark.parametrize(
+    "wrong, said",
+    [(_square_sum, r"float16\[2\]"), (_square_f32, r"float32\[2, 3\]")],
+    ids=["shape", "dtype"],
+)
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "jit"])
+def test_paths_that_disagree_are_named_at_the_first_call(wrong, said, traced):
+    """``lax.switch`` would raise a TypeError about its own branches, at the first traced
+    call only; the site names itself and the path, eagerly too."""
+    site = nn.Site(_square, safe=wrong, name="sq")
+    x = jnp.ones((2, 3), jnp.float16)
+    call = nnx.jit(lambda s, x: s(x)) if traced else (lambda s, x: s(x))
+    pattern = (
+        rf"Site 'sq': the safe path \(_square_\w+\) returns {said}, "
+        r"the fast path returns float16\[2, 3\]"
+    )
+    with pytest.raises(ValueError, match=pattern):
+        call(site, x)
+    ok = nn.Site(_square, safe=lambda x: _square_f32(x).astype(x.dtype), name="ok")
+    assert call(ok, x).shape == (2, 3)
+
+
 def test_site_in_a_vmapped_stack_has_a_layer_gear_and_static_kwargs():
     @nnx.vmap(in_axes=None, out_axes=0, axis_size=3)
     def make():
