@@ -73,7 +73,8 @@ class Config:
         ``nan2safe_jax.probe.PROBE_KINDS``; default ``probe.DEFAULT_PROBES``: every kind but
         ``attn_probs`` (an extra pass over an op's largest tensor) and ``norm_output`` (it
         added no lead; ``benchmarks/probe_set.py`` measures what each kind adds and costs).
-        Widen it (``PROBE_KINDS``) or narrow it (``()``: only the loss and gradient probes);
+        Widen it (``PROBE_KINDS``) or narrow it (``()``: only the loss and gradient probes,
+        and those a user site asks for itself, ``nn.Site(probe=True)``: they have no kind);
         a kind that is off is not traced, so it costs nothing.
     """
 
@@ -194,7 +195,7 @@ class Config:
             is_num(self.loss_scale_max) and self.loss_scale_max >= self.loss_scale_min,
             "loss_scale_max",
             self.loss_scale_max,
-            f">= loss_scale_min ({self.loss_scale_min})",
+            f"finite and >= loss_scale_min ({self.loss_scale_min})",
         )
         _check(
             is_num(self.loss_scale_init)

@@ -229,12 +229,17 @@ def _fold(
     precursor then cannot teach the baseline that it is normal (with a plain EMA the std of
     a geometrically growing value catches up with it, and its z and d2 stop growing), while a
     genuine level shift of healthy training is still learned, at a bounded pace.
+
+    A finite sample whose fold would overflow f32 (a deviation past ~1e20 before warm-up, when
+    nothing clips it) is left out like a NaN one: folded, it would make the baseline inf for
+    good, blind the probe, and make every later checkpoint of the state refused as non-finite.
     """
     alpha = cfg.alpha
     first = state.count == 0
     delta = jnp.clip(x - state.ema, -limit, limit)
     ema = jnp.where(first, x, state.ema + alpha * delta)
     emvar = jnp.where(first, 0.0, (1.0 - alpha) * (state.emvar + alpha * delta * delta))
+    finite = finite & jnp.isfinite(ema) & jnp.isfinite(emvar)
     keep = lambda new, old: jnp.where(finite, new, old)
     return state.replace(
         ema=keep(ema, state.ema),

@@ -157,6 +157,20 @@ def test_nan_never_poisons_the_baseline():
     assert int(state.count[0]) == 6
 
 
+def test_a_finite_outlier_whose_fold_would_overflow_is_left_out_of_the_baseline():
+    """A 1e21 sample in warm-up (nothing clips it yet) would make ``emvar`` inf for good: the
+    probe blind, the state non-finite (every later checkpoint refused). It is left out like a
+    NaN, and a real jump later still scores."""
+    rng = np.random.default_rng(0)
+    values = list(1.0 + 0.05 * rng.standard_normal(40))
+    values[3] = 1e21
+    state, _ = _feed(values)
+    assert np.all(np.isfinite(state.ema)) and np.all(np.isfinite(state.emvar))
+    assert int(state.count[0]) == 39
+    _, risk = detector.update(state, {"p": probe.stats(jnp.full((4,), 50.0))}, CFG)
+    assert float(risk.z[0]) > 100
+
+
 def test_headroom_is_live_from_the_first_step():
     # No baseline needed: a tensor at 60% of its dtype's max is full risk during warm-up.
     _, risks = _feed([1.0, 1.0, 40000.0], [1 / 65504, 1 / 65504, 40000 / 65504])
