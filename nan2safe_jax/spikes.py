@@ -61,6 +61,14 @@ class SpikeWatch:
         self.seen += 1
         return None
 
+    def accept(self, loss: float) -> None:
+        """Takes ``loss`` as the new baseline: a spike the trainer carries on through (no
+        rollback left, or no checkpoint before it) is the run's level from now on, so the
+        watch does not report the same plateau again every ``spike_steps`` steps."""
+        self._above = []
+        if math.isfinite(loss):
+            self.baseline = loss
+
     def reset_streak(self) -> None:
         """Forgets the steps above the line (after a rollback the run starts over from before)."""
         self._above = []

@@ -621,13 +621,20 @@ class Trainer:
         """
         cfg = self.cfg
         seen = dict(start=spike.start, loss=spike.loss, baseline=spike.baseline)
+        # Carrying on, the spike's level becomes the baseline: logged once, not every
+        # ``spike_steps`` steps of the plateau.
+        carry_on = "carry on; this loss level is the new baseline"
         if self.spike_rollbacks >= cfg.spike_max_rollbacks:
-            self.log.append("spike", done.step, **seen, action="rollback cap reached: carry on")
+            self.spikes.accept(spike.loss)
+            self.log.append("spike", done.step, **seen, action=f"rollback cap reached: {carry_on}")
             return None
         self.checkpoints.wait()
         found = self.checkpoints.restore_latest(self.state, before=spike.start)
         if found is None:
-            self.log.append("spike", done.step, **seen, action="no checkpoint before the spike")
+            self.spikes.accept(spike.loss)
+            self.log.append(
+                "spike", done.step, **seen, action=f"no checkpoint before the spike: {carry_on}"
+            )
             return None
         state, ckpt = found
         replay = [(s, b) for s, b in self.ring if ckpt <= s < spike.start]

@@ -499,6 +499,24 @@ def test_loss_spike_rolls_back_before_the_spike_and_skips_its_data(tmp_path):
     assert tr.step == 20 and tr.spike_rollbacks == 1 and tr.log.closed
 
 
+def test_a_spike_past_the_rollback_cap_is_logged_once_and_its_level_accepted(tmp_path):
+    """No rollback left: the trainer carries on, and the plateau is the new baseline, not a
+    spike event every ``spike_steps`` steps for the rest of the run."""
+    cfg = Config(
+        checkpoint_every=5, min_history=4, window=8, spike_factor=3.0, spike_steps=2,
+        spike_max_rollbacks=0,
+    )  # fmt: skip
+    x, y = data(30)
+    batches = [(x[i], y[i] * (100.0 if i >= 12 else 1.0)) for i in range(30)]
+    with Trainer(Net(rngs=nnx.Rngs(0)), optax.sgd(1e-3), loss_fn, cfg, tmp_path / "r") as tr:
+        tr.fit(batches, steps=30)
+        ev = tr.events
+    spikes = [e for e in ev if e["type"] == "spike"]
+    assert [(e["start"], e["step"]) for e in spikes] == [(12, 13)], spikes
+    assert "cap reached" in spikes[0]["action"] and "new baseline" in spikes[0]["action"]
+    assert not any(e["type"] == "rollback" for e in ev) and tr.step == 30
+
+
 def test_loss_spike_config_is_validated():
     assert Config().spike_factor is None  # off by default
     for field, bad in (
