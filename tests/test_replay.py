@@ -363,6 +363,36 @@ def test_causal_mask_is_not_blamed(fill, dtype):
         assert locate(jax.make_jaxpr(jax.grad(f))(q), (q,)) is None
 
 
+@pytest.mark.parametrize("fault", [False, True], ids=["clean", "later_fault"])
+@pytest.mark.parametrize("where", ["flax_fp16_attention", "tanh_of_an_overflow"])
+def test_an_inf_that_exp_or_tanh_turns_finite_is_absorbed_not_observed(where, fault):
+    """fp16 flax attention fills masked logits with the dtype's minimum; ``fill - rowmax``
+    rounds to -inf once a row's max passes 16, and ``exp`` makes it 0: no fault (SPEC: a mask
+    fill is not an overflow). Likewise ``tanh`` of an overflowed value is 1. Neither is a root,
+    and a later real fault is the one named."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(1, 6, 1, 16)) * 4, jnp.float16)  # logits up to ~100
+    x = jnp.asarray([1.0, 0.0 if fault else 0.5, 2.0], jnp.float32)
+
+    def f(q, x):
+        if where == "flax_fp16_attention":
+            a = ops.attention(q, q, q, causal=True, gear=0, explicit=True)
+        else:
+            a = jnp.tanh(q * jnp.float16(1e4))  # overflows to inf, then 1
+        h = jnp.sum(a.astype(jnp.float32)) * 0 + x
+        return jnp.sum(jnp.log(h))  # FAULT:after_absorbed
+
+    intermediates = jax.make_jaxpr(f)(q, x).eqns
+    assert any(e.primitive.name == "exp" or e.primitive.name == "tanh" for e in intermediates)
+    assert np.isfinite(float(f(q, x))) != fault
+    if fault:
+        _check(f, (q, x), "log", "after_absorbed", "inf")
+    else:
+        assert locate(jax.make_jaxpr(f)(q, x), (q, x)) is None
+        g = jax.grad(f, argnums=1)
+        assert locate(jax.make_jaxpr(g)(q, x), (q, x)) is None
+
+
 def test_causal_mask_then_real_fault():
     def f(q):
         s = q @ q.T

@@ -85,9 +85,11 @@ class Ctx:
     In ``"flags"`` mode each traced float value is registered once in ``vals`` (codes computed by
     ``codes()``); outputs of value-preserving equations reuse their inputs' references instead.
     ``recs`` holds per flat equation ``("eqn", in_ref, out_ref)`` (``"mask"`` for an equation that
-    can drop an operand: ``select_n``, ``cond``; a ``cond`` whose branch is known adds a fourth
-    item, the reference of the operands that branch drops), or ``("given", bool[3])`` for a loop
-    instrumented in place (its rule computed its flags; its first flagged steps are in ``steps``).
+    can drop an operand: ``select_n``, ``cond``, or absorb an infinite one into a finite float
+    result: ``exp``, ``div``, ``max`` ... (``_ABSORBING``); a ``cond`` whose branch is known adds
+    a fourth item, the reference of the operands that branch drops), or ``("given", bool[3])``
+    for a loop instrumented in place (its rule computed its flags; its first flagged steps are in
+    ``steps``).
     """
 
     def __init__(
@@ -257,7 +259,8 @@ class Ctx:
         """bool[#equations]: the equation's non-finite output is not *masked* (see below).
 
         A non-finite value is masked when it is read, and every equation that reads it is a
-        ``select_n`` or ``cond`` whose results are finite, or whose non-finite results are
+        ``select_n`` or ``cond`` (or float arithmetic that absorbs an inf: ``exp(-inf) = 0``,
+        ``_ABSORBING``) whose results are finite, or whose non-finite results are
         masked themselves: it reaches none of the walk's results (``jnp.where(x > 0, jnp.log(x),
         0)``; a gear switch that passes FAST's value through only at FAST). A value that is
         returned, that nothing reads (a primal ``jax.grad`` drops), or that any other equation
@@ -478,7 +481,9 @@ def _flags_eqn(eqn: Any, invals: list, ns: Any, ctx: Ctx, branch: int | None = N
         ctx.recs.append(("mask", ctx.union(keep), ctx.union(outs), ctx.union(drop)))
         ctx.link(keep, outs, drop)
     else:
-        kind = "mask" if eqn.primitive.name in _MASKING else "eqn"
+        name = eqn.primitive.name
+        absorbs = name in _ABSORBING and all(inexact(o) for o in outs)
+        kind = "mask" if name in _MASKING or absorbs else "eqn"
         ctx.record(ctx.union(invals), ctx.union(outs), kind)
         ctx.link(invals, outs)
     return outs
@@ -495,6 +500,15 @@ def _reads(jaxpr: Any) -> list[bool]:
 # is dropped by them, never reaches a result (``jnp.where(x > 0, jnp.log(x), 0)``; a gear switch
 # that passes FAST's value through only at FAST).
 _MASKING = frozenset({"select_n", "cond"})
+# Float arithmetic that maps an infinite operand to a finite value, as the limit would:
+# ``exp(-inf) = 0``, ``1 / inf = 0``, ``tanh(inf) = 1``, ``max(-inf, x) = x``. A finite result of
+# one absorbs the inf; it does not *observe* it, as a comparison or ``isfinite`` does (fp16
+# flax attention fills masked logits with the dtype's minimum, and ``fill - rowmax`` rounds to
+# ``-inf`` on the way to ``exp``: no fault). A non-finite result of one carries the operand on.
+_ABSORBING = frozenset(
+    {"exp", "exp2", "expm1", "tanh", "logistic", "atan", "atan2", "erf", "erfc", "sign"}
+    | {"div", "rsqrt", "integer_pow", "pow", "max", "min", "clamp", "reduce_max", "reduce_min"}
+)
 
 
 MODES = ("root", "nan", "literal")  # the three flags, in the order of ``Ctx.finalize``
