@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_models import jit_llvm_default
 
-from nan2safe_jax import kernels
+from nan2safe_jax import kernels, ops
 from nan2safe_jax.kernels import _common
 from nan2safe_jax.kernels.norms import reference as norms_ref
 from nan2safe_jax.kernels.softmax import reference as softmax_ref
@@ -393,6 +394,23 @@ def test_norms_degenerate_and_extreme_rows(impl):
     np.testing.assert_allclose(r[rows], rms_norm64(x[rows], None, 0.0), atol=2e-6)
     exp = layer_norm64(np.asarray(xb.astype(jnp.float32)), None, None, 1e-6)
     np.testing.assert_allclose(np.asarray(yb.astype(jnp.float32)), exp, atol=2e-2)
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-6])
+def test_a_constant_row_is_exactly_bias_as_xla_compiles_it_by_default(eps):
+    """Narrow constant rows: ``sum(x) / n`` rounds off ``x``, and at XLA's default level the
+    residue ``d - mean(d)`` came out of two fusions unequal (~4e-9); times the degenerate row's
+    inverse std that was 7e7 (eps 1e-6) or 0.707 (eps 0). The suite's -O0 hides it."""
+    x = jnp.full((2, 3), 2.6993079e13, jnp.float32)
+    bias = jnp.asarray([0.5, -1.0, 2.0], jnp.float32)
+    run = jit_llvm_default(
+        lambda x, b: (
+            kernels.safe_layer_norm(x, None, b, eps, implementation="reference"),
+            ops.layer_norm(x, None, b, eps, gear=2),
+        )
+    )
+    for y in run(x, bias):
+        np.testing.assert_array_equal(np.asarray(y), np.broadcast_to(bias, (2, 3)))
 
 
 def _plain_ln(x, s, b, eps):

@@ -243,6 +243,17 @@ def test_cross_entropy_padding_with_zero_probability_has_finite_gradients(gear):
     assert bool(jnp.all(g[1, 2] == 0))
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_safe_cross_entropy_of_many_minus_inf_targets_stays_finite(masked):
+    """Each -inf target logit is clamped; the clamp leaves room for all of them in the sum."""
+    logits = jnp.zeros((2, 3, 4), F32).at[..., 0].set(-jnp.inf)
+    labels = jnp.zeros((2, 3), jnp.int32)
+    mask = jnp.ones((2, 3), bool).at[1, 2].set(False) if masked else None
+    loss, g = jax.value_and_grad(lambda x: ops.cross_entropy(x, labels, gear=2, mask=mask))(logits)
+    assert bool(jnp.isfinite(loss)) and float(loss) > 1e36, float(loss)
+    assert bool(jnp.all(jnp.isfinite(g)))
+
+
 _ce_traced_gear = jax.jit(lambda x, labels, g: ops.cross_entropy(x, labels, gear=g))
 
 

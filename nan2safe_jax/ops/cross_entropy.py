@@ -51,8 +51,9 @@ def _ce_safe(logits, labels, mask):
     zl = jnp.take_along_axis(z, labels[..., None], axis=-1)[..., 0]
     # where, not maximum: no split gradient; a NaN sum stays NaN
     logp = zl - jnp.log(jnp.where(s < 1.0, 1.0, s))
-    # clamp: a -inf label logit (log of an exactly-zero probability) counts as a finite loss
-    lo = -jnp.finfo(_F32).max
+    # clamp: a -inf label logit (log of an exactly-zero probability) counts as a finite loss,
+    # at most f32's max over the token count, so that their sum (and mean) stays finite too
+    lo = -float(jnp.finfo(_F32).max) / max(logp.size, 1)
     logp = jnp.where(logp < lo, lo, logp)
     nll = -logp
     valid = jnp.ones(nll.shape, bool) if mask is None else mask
@@ -79,7 +80,8 @@ def cross_entropy(
     gave ``log 0``; it made a run whose logits grow go non-finite 20 steps before the stock
     model did.) STABLE: ``log_softmax`` in f32. SAFE: f32 log-space with
     a compensated denominator (>= 1, so never log 0), the loss of a -inf target logit clamped to
-    finite, a compensated masked mean, and 0 when no token is selected; a NaN or +inf logit,
+    finite (f32's max over the token count: any number of them sums to a finite loss), a
+    compensated masked mean, and 0 when no token is selected; a NaN or +inf logit,
     or a label out of range, makes its token's loss non-finite, as at FAST (propagated, never
     hidden).
 
