@@ -38,8 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nan2safe_jax import nn as nn_lib
-from nan2safe_jax import probe as probe_lib
-from nan2safe_jax.site import Probe, SiteGear, name_sites, path_name
+from nan2safe_jax.site import SiteGear, fill_defaults, name_sites, path_name
 
 __all__ = ["ConvertReport", "Converted", "LeftAlone", "convert", "CONVERTIBLE"]
 
@@ -157,7 +156,7 @@ class Converted:
 
     Attributes:
       path: the layer's module path (``"blocks.attn"``).
-      flax_class: the class it was (``"MultiHeadAttention"``).
+      flax_class: the class it was (``"MultiHeadAttention"``; a subclass: ``"Linear (Dense)"``).
       sites: the site names tier 2 uses for it and its sub-sites (``name_sites`` names).
       stack: the leading layer axes of its parameters (``(L,)`` in an ``nnx.vmap`` stack).
     """
@@ -244,6 +243,26 @@ def _as_patterns(name: str, value) -> tuple | None:
     return out
 
 
+def _own_methods(cls: type, upto: type) -> list[str]:
+    """Methods (and properties) the classes of ``cls``'s MRO before ``upto`` define, less
+    ``__init__``: code of their own that a site would not run."""
+    mro = cls.__mro__
+    own = []
+    for c in mro[: mro.index(upto)] if upto in mro else mro:
+        for k, v in vars(c).items():
+            if k == "__init__" or not (callable(v) or isinstance(v, property)):
+                continue
+            if k.startswith("__") and k.endswith("__") and k != "__call__":
+                continue  # class bookkeeping (``__init_subclass__``, ``__class_getitem__``...)
+            own.append(k)
+    return sorted(set(own))
+
+
+def _convertible_base(cls: type) -> type | None:
+    """The flax class of ``CONVERTIBLE`` that ``cls`` is or derives from (None: neither)."""
+    return next((c for c in cls.__mro__ if c in CONVERTIBLE), None)
+
+
 def _is_site(module) -> bool:
     return any(isinstance(v, SiteGear) for v in vars(module).values())
 
@@ -271,9 +290,10 @@ def _shape(v: nnx.Variable) -> tuple[int, ...]:
     return tuple(jnp.shape(v.get_value()))
 
 
-def _build(old) -> tuple[nnx.Module, tuple[int, ...]]:
-    """The site for flax layer ``old``, sharing its parameters; raises ValueError if it cannot."""
-    cls, kwargs_of, carried = CONVERTIBLE[type(old)]
+def _build(old, base: type) -> tuple[nnx.Module, tuple[int, ...]]:
+    """The site for flax layer ``old`` (of class ``base`` or a subclass of it without code of
+    its own), sharing its parameters; raises ValueError if it cannot."""
+    cls, kwargs_of, carried = CONVERTIBLE[base]
     kwargs = kwargs_of(old)
     new = nnx.eval_shape(lambda: cls(**kwargs, rngs=nnx.Rngs(0)))  # validates, initialises nothing
     old_params, new_params = _param_paths(old), _param_paths(new)
@@ -300,15 +320,14 @@ def _build(old) -> tuple[nnx.Module, tuple[int, ...]]:
         _set(parent, path[-1], var)  # the very Param object: shared, not copied
     for name in carried:
         setattr(new, name, getattr(old, name))
-    for _, var in nnx.iter_graph(new):
-        if isinstance(var, nnx.Variable) and isinstance(var.get_value(), jax.ShapeDtypeStruct):
-            v = var.get_value()
-            if isinstance(var, Probe):
-                fill = jnp.broadcast_to(probe_lib.zeros(), stack + v.shape)
-            else:  # SiteGear (FAST), Knob (1.0), anything else zero
-                value = 1 if isinstance(var, nn_lib.Knob) else 0
-                fill = jnp.full(stack + v.shape, value, v.dtype)
-            var.set_value(jnp.asarray(fill, v.dtype))
+    if type(old) is not base:  # a subclass's own attributes ride along, unless they are state
+        for k, v in vars(old).items():
+            if k.startswith("_") or hasattr(new, k):
+                continue
+            if isinstance(v, (nnx.Variable, nnx.Module, jax.Array)):
+                raise ValueError(f"it holds {k!r}, which flax's {base.__name__} does not")
+            setattr(new, k, v)
+    fill_defaults(new, stack, fallback=0)  # gears FAST, knobs 1.0, probes empty, others 0
     return new, stack
 
 
@@ -346,30 +365,63 @@ def convert(
     left: list[LeftAlone] = []
     memo: dict[int, Any] = {}
 
+    first: dict[int, str] = {}  # id -> the path a shared layer was converted at
+
     def visit(value, path: tuple):
         key = id(value)
         if key in memo:
-            return memo[key]
+            new = memo[key]
+            if new is not value and exc is not None and _matches(exc, path_name(path), value):
+                left.append(
+                    LeftAlone(
+                        path_name(path),
+                        type(value).__name__,
+                        f"excluded, but shared with {first[key]}, where it was converted (one "
+                        "layer is one site: exclude every path it has)",
+                    )
+                )
+            return new
         memo[key] = value  # a cycle or a shared node sees itself until it is done
         new = _visit(value, path)
         memo[key] = new
+        first.setdefault(key, path_name(path))
         return new
 
     def _visit(value, path):
         name = path_name(path)
         if isinstance(value, nnx.Module):
-            if type(value) in CONVERTIBLE:
+            base = _convertible_base(type(value))
+            if base is not None and type(value) is not base:
+                own = _own_methods(type(value), base)
+                why = None
+                if own:
+                    why = (
+                        f"a subclass of flax's {base.__name__} with code of its own "
+                        f"({', '.join(own)}): not converted (a site would not run it); wrap "
+                        "its numerics in nan2safe.nn.Site"
+                    )
+                elif inc is None or not _matches(inc, name, value):
+                    why = (
+                        f"a subclass of flax's {base.__name__}: converted only when include= "
+                        "names it (the site replaces its class, which type-based code may read)"
+                    )
+                if why is not None:
+                    left.append(LeftAlone(name, type(value).__name__, why))
+                    return value
+            if base is not None:
                 if (inc is not None and not _matches(inc, name, value)) or (
                     exc is not None and _matches(exc, name, value)
                 ):
                     left.append(LeftAlone(name, type(value).__name__, "excluded"))
                     return value
                 try:
-                    new, stack = _build(value)
+                    new, stack = _build(value, base)
                 except ValueError as err:
                     left.append(LeftAlone(name, type(value).__name__, f"not converted: {err}"))
                     return value
-                converted.append((name, type(value).__name__, new, stack))
+                own = type(value).__name__
+                shown = base.__name__ if own == base.__name__ else f"{base.__name__} ({own})"
+                converted.append((name, shown, new, stack))
                 return new
             if _is_site(value):
                 return value  # already a site (nan2safe.nn module, nn.Site)
@@ -379,7 +431,7 @@ def convert(
                     LeftAlone(name, type(value).__name__, "no nan2safe.nn counterpart (not a site)")
                 )
                 return value
-            if not mod.startswith("flax.") and type(value).__call__ is not nnx.Module.__call__:
+            if not mod.startswith("flax.") and _own_methods(type(value), nnx.Module):
                 left.append(LeftAlone(name, type(value).__name__, _USER_CODE))
             if isinstance(value, nnx.List):
                 for i in range(len(value)):

@@ -34,7 +34,10 @@ Drop-in: constructors, call arguments, parameter trees and initialisation order 
 the ``flax.nnx`` module of the same name, and at FAST each module computes exactly what flax
 computes (tests/test_nn_flax_compat.py compares against the real classes), so swapping them in
 changes nothing until a gear changes. A model built with ``nnx.eval_shape`` and given only its
-``Param``s runs: gear, knob and probe variables take their defaults on first use.
+``Param``s (a params-only checkpoint restored the orbax way) holds abstract gears, knobs and
+probes: ``TrainState.create`` fills them with their defaults, and so does ``fill_defaults(model)``
+(call it once before a ``jit`` or ``nnx.scan`` of your own; an unstacked layer called eagerly
+fills its own on first use).
 
 Fault injection: ``MultiHeadAttention.qk_scale`` and ``Router.logit_scale`` are ``Knob``
 variables (f32 scalars, 1.0 by default, not trained) that multiply the attention logits / the
@@ -61,7 +64,7 @@ from jax import lax
 from nan2safe_jax import ops
 from nan2safe_jax import probe as probe_lib
 from nan2safe_jax.probe import cheap_stats, probe_enabled, sampled_stats
-from nan2safe_jax.site import Probe, SiteGear, site_scope
+from nan2safe_jax.site import Probe, SiteGear, fill_defaults, site_scope
 
 __all__ = [
     "CrossEntropy",
@@ -74,6 +77,7 @@ __all__ = [
     "RMSNorm",
     "Router",
     "cheap_stats",
+    "fill_defaults",
     "sampled_stats",
 ]
 
@@ -87,6 +91,8 @@ _promote = flax_dtypes.promote_dtype
 
 class Knob(nnx.Variable):
     """A non-trainable f32 multiplier (1.0 by default) for fault injection; data, not code."""
+
+    default = 1.0
 
 
 def _new_probe() -> Probe:

@@ -33,9 +33,42 @@ _SITE_RE = re.compile(r"nan2safe\[([^\]]+)\]")
 class Probe(nnx.Variable):
     """Probe statistics of one tensor: ``f32[..., NUM_STATS]`` (``nan2safe_jax.probe.STATS``)."""
 
+    default = 0  # every statistic, before the first write (``probe.zeros``)
+
 
 class SiteGear(nnx.Variable):
     """A site's gear as an int32 array (scalar, or ``[L]`` for a stack made by ``nnx.vmap``)."""
+
+    default = 0  # FAST
+
+
+def fill_defaults(model: nnx.Module, lead: tuple[int, ...] = (), fallback=None) -> nnx.Module:
+    """Gives every site variable that is still abstract its default value, in place.
+
+    A model built with ``nnx.eval_shape`` and then given only its ``Param``s (a params-only
+    checkpoint restored the orbax way) holds ``ShapeDtypeStruct``s in its gears, knobs and
+    probes, which no ``jit`` or ``nnx.scan`` takes. ``TrainState.create`` calls this; a loop of
+    your own (``nnx.jit``) calls it once after the restore. A layer called eagerly fills its own.
+
+    Args:
+      model: the module (changed in place).
+      lead: axes put before each variable's own shape (a site built unstacked for a stack).
+      fallback: the value of an abstract variable with no ``default`` class attribute (None:
+        left abstract; a ``Param`` is always left, it is the user's to restore).
+
+    Returns:
+      ``model``.
+    """
+    for _, var in nnx.iter_graph(model):
+        if not isinstance(var, nnx.Variable) or isinstance(var, nnx.Param):
+            continue
+        v = var.get_value()
+        if not isinstance(v, jax.ShapeDtypeStruct):
+            continue
+        value = getattr(type(var), "default", fallback)
+        if value is not None:
+            var.set_value(jnp.full(tuple(lead) + tuple(v.shape), value, v.dtype))
+    return model
 
 
 def site_scope(name: str):

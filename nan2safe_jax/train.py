@@ -34,6 +34,7 @@ from nan2safe_jax.site import (
     Probe,
     ProbeBlock,
     SiteTemplate,
+    fill_defaults,
     name_sites,
     path_name,
     probe_blocks,
@@ -89,9 +90,10 @@ class TrainState(struct.PyTreeNode):
             )
         # A copy: the state must not share variables with ``model``, which the caller may run
         # (a train-mode forward moves BatchNorm's statistics and Dropout's counter in place).
-        graphdef, params, site_vars, rest = nnx.split(
-            nnx.clone(model), nnx.Param, SITE_VARIABLES, ...
-        )
+        # Abstract site variables (a model from ``nnx.eval_shape`` given only its Params) take
+        # their defaults in the copy.
+        model = fill_defaults(nnx.clone(model))
+        graphdef, params, site_vars, rest = nnx.split(model, nnx.Param, SITE_VARIABLES, ...)
         probe_opt = tx.init(params)
         if not guard_lib.is_guarded(probe_opt):
             tx = guard_lib.guard(tx, cfg)

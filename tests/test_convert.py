@@ -230,6 +230,50 @@ def test_include_exclude_and_bad_arguments():
         nn.convert({"a": 1})
 
 
+class _Dense(nnx.Linear):
+    """A project's own name for flax's Linear (type-based rules read it): no code of its own."""
+
+    def __init__(self, *args, tag="dense", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tag = tag
+
+
+class _Scaled(nnx.Linear):
+    def __call__(self, x):  # code a site would not run
+        return super().__call__(x) * 2.0
+
+
+class _Holder(nnx.Module):  # a container: no code
+    def __init__(self, rngs):
+        self.dense = _Dense(4, 4, rngs=rngs)
+        self.scaled = _Scaled(4, 4, rngs=rngs)
+        self.plain = nnx.Linear(4, 4, rngs=rngs)
+        self.alias = self.plain
+
+
+def test_subclasses_are_converted_when_named_and_their_own_code_is_said():
+    model, report = nn.convert(_Holder(nnx.Rngs(0)), exclude=["alias"], return_report=True)
+    left = {a.path: a.reason for a in report.left_alone}
+    assert (
+        isinstance(model.dense, _Dense) and "converted only when include= names it" in left["dense"]
+    )
+    assert isinstance(model.scaled, _Scaled) and "code of its own (__call__)" in left["scaled"]
+    assert "" not in left  # a container with no code is no "user code outside every site"
+    # one layer under two paths, one excluded: said, not silently converted at the other
+    assert isinstance(model.plain, nn.Linear) and "shared with plain" in left["alias"]
+
+    stock = _Holder(nnx.Rngs(0))
+    x = jnp.linspace(-1, 1, 8, dtype=jnp.float32).reshape(2, 4)
+    want = stock.dense(x)
+    model, report = nn.convert(stock, include=[_Dense], return_report=True)
+    assert isinstance(model.dense, nn.Linear) and model.dense.tag == "dense"
+    np.testing.assert_array_equal(np.asarray(model.dense(x)), np.asarray(want))
+    assert [(c.path, c.flax_class) for c in report.converted] == [("dense", "Linear (_Dense)")]
+    assert isinstance(model.scaled, _Scaled)  # include= does not override its own code
+    m2 = nn.convert(_Holder(nnx.Rngs(0)), include=[nnx.Linear])  # the flax base names it too
+    assert isinstance(m2.dense, nn.Linear) and isinstance(m2.scaled, _Scaled)
+
+
 def test_converted_model_trains_with_per_layer_gears(pair):
     _, model, _, _ = pair
     state = nan2safe.TrainState.create(model, optax.sgd(0.1))

@@ -307,6 +307,51 @@ def test_abstract_construction():
     assert int(abstract.attn.gear.get_value()) == 0
 
 
+class _Stack(nnx.Module):
+    """Two LayerNorm + attention blocks stacked by ``nnx.vmap``, run by ``nnx.scan``."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=2)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(r):
+            return nnx.Sequential(
+                nn.LayerNorm(8, rngs=r), nn.MultiHeadAttention(2, 8, decode=False, rngs=r)
+            )
+
+        self.blocks = make(rngs)
+
+    def __call__(self, x):
+        step = lambda b, x: b(x)  # noqa: E731
+        return nnx.scan(step, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.blocks, x)
+
+
+@pytest.mark.parametrize("how", ["nnx.jit", "TrainState"])
+def test_an_abstract_stack_given_only_its_params_runs_after_fill_defaults(how):
+    """A params-only checkpoint restored the orbax way: ``nnx.eval_shape``, then only the
+    Params. Its gears, knobs and probes are abstract, which no ``jit`` or ``nnx.scan`` takes;
+    ``TrainState.create`` fills them, and ``nn.fill_defaults`` does for a loop of one's own."""
+    import optax
+
+    from nan2safe_jax import TrainState, make_train_step
+
+    concrete = _Stack(nnx.Rngs(0))
+    abstract = nnx.eval_shape(lambda: _Stack(nnx.Rngs(0)))
+    nnx.update(abstract, nnx.state(concrete, nnx.Param))
+    x = _x((2, 3, 8), F32)
+    if how == "nnx.jit":
+        nn.fill_defaults(abstract)
+        assert abstract.blocks.layers[1].gear.get_value().shape == (2,)
+        assert float(abstract.blocks.layers[1].qk_scale.get_value()[0]) == 1.0
+        run = nnx.jit(lambda m, x: m(x))
+        _same(run(abstract, x), run(concrete, x))
+    else:
+        loss = lambda m, x: jnp.mean(m(x) ** 2)  # noqa: E731
+        step = make_train_step(loss)
+        _, got = step(TrainState.create(abstract, optax.sgd(0.1)), x)
+        _, want = step(TrainState.create(concrete, optax.sgd(0.1)), x)
+        assert float(got["loss"]) == float(want["loss"])
+
+
 def _closed_over_pairs():
     r = lambda: nnx.Rngs(0)  # noqa: E731
     mha = dict(num_heads=2, in_features=8, qkv_features=8, decode=False, rngs=None)
