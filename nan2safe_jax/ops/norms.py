@@ -9,9 +9,9 @@ faults are flax's: a constant row (LayerNorm) or a zero row (RMSNorm) with ``eps
 ``0 * inf = NaN``; a fully-masked row is ``0/0``.
 
 STABLE: f32 two-pass statistics, f32 elementwise math, a saturating cast back; it widens
-half-precision inputs only: an f32 row past ~1e19 has a variance that overflows f32, and
-STABLE returns that row as zeros (finite, but wrong), which SAFE's range compression gets
-right. SAFE: f32, rows
+half-precision inputs only: an f32 (or bf16) row past ~1e19 has a variance that overflows
+f32, and STABLE returns that row as zeros (finite, but wrong), or as NaN once its mean
+overflows too (rows near 1e38), which SAFE's range compression gets right. SAFE: f32, rows
 compressed by a power of two (``LN(x; eps) == LN(x·s; eps·s²)``), compensated statistics from
 ``kernels.safe_layer_norm`` / ``safe_rms_norm``; a degenerate row (zero variance with
 ``eps=0``, or no position in the mask) normalises to 0 with finite gradients. With a mask,
