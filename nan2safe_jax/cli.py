@@ -103,7 +103,9 @@ def _report(args) -> int:
         print(f"cannot write the dashboard ({err}); pass --out PATH", file=sys.stderr)
         return 2
     print(f"dashboard: {path}")
-    tb = out.parent / "tensorboard"
+    # its own folder per dashboard: a shared --out folder holds several runs' reports
+    # a folder per dashboard: one --out folder may hold several runs' reports
+    tb = wd / "tensorboard" if not args.out else out.with_name(f"{out.stem}_tensorboard")
     try:
         written = report.write_tensorboard(wd, tb)
     except OSError as err:
@@ -146,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         "report", help="print a run's summary and write its dashboard (WORKDIR/dashboard.png)"
     )
     rep.add_argument("workdir")
-    rep.add_argument("--out", help="write the dashboard here instead (and tensorboard/ beside it)")
+    rep.add_argument(
+        "--out", help="write the dashboard here instead (and NAME_tensorboard/ beside it)"
+    )
     rep.set_defaults(fn=_report)
 
     names = sorted(p.stem for p in (_REPO / "benchmarks").glob("*.py") if p.stem[0] != "_")

@@ -258,6 +258,24 @@ def _own_methods(cls: type, upto: type) -> list[str]:
     return sorted(set(own))
 
 
+_CLASS_BOOKKEEPING = frozenset(
+    {"__init__", "__module__", "__qualname__", "__doc__", "__dict__", "__weakref__"}
+    | {"__annotations__", "__firstlineno__", "__static_attributes__", "__orig_bases__"}
+    | {"__parameters__", "__abstractmethods__", "_abc_impl", "__slots__"}
+)
+
+
+def _own_code(cls: type) -> list[str]:
+    """What the non-flax classes of ``cls``'s MRO (a subclass, its mixins) define besides
+    ``__init__``: methods, properties, class attributes, which a site would not have."""
+    own = set()
+    for c in cls.__mro__:
+        if c is object or c.__module__.startswith("flax."):
+            continue
+        own |= {k for k in vars(c) if k not in _CLASS_BOOKKEEPING and not k.startswith("_pytree__")}
+    return sorted(own)
+
+
 def _convertible_base(cls: type) -> type | None:
     """The flax class of ``CONVERTIBLE`` that ``cls`` is or derives from (None: neither)."""
     return next((c for c in cls.__mro__ if c in CONVERTIBLE), None)
@@ -322,7 +340,7 @@ def _build(old, base: type) -> tuple[nnx.Module, tuple[int, ...]]:
         setattr(new, name, getattr(old, name))
     if type(old) is not base:  # a subclass's own attributes ride along, unless they are state
         for k, v in vars(old).items():
-            if k.startswith("_") or hasattr(new, k):
+            if k.startswith(("_pytree__", "_object__")) or hasattr(new, k):
                 continue
             if isinstance(v, (nnx.Variable, nnx.Module, jax.Array)):
                 raise ValueError(f"it holds {k!r}, which flax's {base.__name__} does not")
@@ -392,7 +410,7 @@ def convert(
         if isinstance(value, nnx.Module):
             base = _convertible_base(type(value))
             if base is not None and type(value) is not base:
-                own = _own_methods(type(value), base)
+                own = _own_code(type(value))
                 why = None
                 if own:
                     why = (

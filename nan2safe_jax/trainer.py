@@ -106,14 +106,14 @@ def _host(metrics: dict) -> dict:
         site_gears={k: np.asarray(v).tolist() for k, v in m["site_gears"].items()},
         probe_risk={k: float(v) for k, v in m["probe_risk"].items()},
     )
-    if "aux" in m:  # ``has_aux``: the loss function's own values, as host values
-        out["aux"] = jax.tree_util.tree_map(_host_value, m["aux"])
+    if "aux" in m:  # ``has_aux``: the loss function's scalars (not its arrays: logits...)
+        out["aux"] = jax.tree_util.tree_map(_host_scalar, m["aux"])
     return out
 
 
-def _host_value(x):
-    """A Python number for a scalar, a numpy array otherwise."""
-    return x.item() if np.ndim(x) == 0 and hasattr(x, "item") else np.asarray(x)
+def _host_scalar(x):
+    """A Python number for a scalar; None for an array (each step would log all of it)."""
+    return x.item() if np.ndim(x) == 0 and hasattr(x, "item") else None
 
 
 def _config_changes(record: Path, config: dict) -> dict:
@@ -160,7 +160,9 @@ class Trainer:
         one device from gathered arguments; its ``locate`` event gains ``"shards"`` (which data
         shard, devices and processes hold the bad batch rows). Under ``jax.distributed`` every
         process runs this loop and passes its own rows of each batch.
-      has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` lands in the metrics as ``"aux"``.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` lands in the metrics as ``"aux"``,
+        and its scalar leaves in the history and ``metrics.jsonl`` (array leaves read None
+        there: a ``(loss, logits)`` aux would log the logits every step).
       compile_cache: where JAX's persistent compilation cache keeps the compiled step, so a
         restarted run loads it instead of compiling it again: True (the default) for
         ``workdir/compile_cache``, a directory, or False to leave JAX's cache as it is. A cache
@@ -206,8 +208,21 @@ class Trainer:
         self.step_fn = make_train_step(
             loss_fn, lr_schedule=lr_schedule, rules=self.rules, has_aux=has_aux
         )
-        # Held until ``close``: a second trainer would overwrite this run's checkpoints.
-        self._lock = WorkdirLock(sharding_lib.log_dir(self.workdir), self)
+        # Held until ``close``: a second trainer would overwrite this run's checkpoints. Another
+        # process's trainer holding it raises here; one of this process is closed at the end,
+        # once this one has resumed (``nan2safe_jax.workdir``).
+        self._lock = WorkdirLock(sharding_lib.log_dir(self.workdir))
+        try:
+            self._open(factory, has_aux, resume)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, factory, has_aux: bool, resume: bool) -> None:
+        """The rest of ``__init__``: checkpoints, event log, resume, then the workdir's hold."""
+        holder = self._lock.holder
+        if holder is not None and not holder.closed:
+            holder.checkpoints.wait()  # its last saves, before this one reads the checkpoints
         self.checkpoints = Checkpointer(self.workdir / "checkpoints")
         self.log = EventLog(sharding_lib.log_dir(self.workdir))  # one log per process
         # (step, batch) of the latest finished steps: what a rollback replays.
@@ -223,12 +238,9 @@ class Trainer:
         self._last_sites: dict[str, Any] = {}
         self._last_level: int | None = None
         run = {"factory": factory, "config": dataclasses.asdict(self.cfg), "has_aux": has_aux}
-        try:
-            if resume:
-                self._resume(run)
-        except BaseException:
-            self.close()
-            raise
+        if resume:
+            self._resume(run)
+        self._lock.take_over(self)
         # Written once the run is known to go on here: a refused resume keeps the old record.
         (self.workdir / "run.json").write_text(json.dumps(run, indent=1))
 
@@ -237,14 +249,21 @@ class Trainer:
     def close(self) -> None:
         """Waits for pending checkpoints, closes the checkpoint manager and the event log, and
         lets the workdir go (another trainer may then take it)."""
-        if not self.log.closed:
-            self.checkpoints.close()
-            self.log.close()
-        self._lock.release()
+        log_ = getattr(self, "log", None)  # a trainer whose ``__init__`` failed part-way
+        if log_ is not None and not log_.closed:
+            log_.close()
+        ckpt = getattr(self, "checkpoints", None)
+        if ckpt is not None and not getattr(self, "_ckpt_closed", False):
+            self._ckpt_closed = True
+            ckpt.close()
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
 
     @property
     def closed(self) -> bool:
-        return self.log.closed
+        log_ = getattr(self, "log", None)
+        return log_ is None or log_.closed
 
     def __enter__(self) -> Trainer:
         return self

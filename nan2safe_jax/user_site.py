@@ -134,20 +134,13 @@ class Site(nnx.Module):
         return out
 
 
-_AGREED: set = set()  # (paths, operand specs, call structure) already checked
-
-
 def _check_paths_agree(site: str, fns, runs, operands) -> None:
     """Raises ``ValueError`` naming the site and the path when the paths' outputs differ in
     structure, shape or dtype (``lax.switch`` would raise a ``TypeError`` about its own
-    branches, naming neither). Checked once per operand signature, by ``jax.eval_shape``."""
+    branches, naming neither). ``jax.eval_shape`` of each path, at every call: a trace, not a
+    computation, and no cache to go stale (static arguments change what a path returns) or to
+    keep the paths' closures alive."""
     specs = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in operands)
-    try:
-        key = (tuple(fns), specs)
-        if key in _AGREED:
-            return
-    except TypeError:  # an unhashable callable: check every time
-        key = None
     outs = [jax.eval_shape(run, *specs) for run in runs]
 
     def describe(out):
@@ -165,5 +158,3 @@ def _check_paths_agree(site: str, fns, runs, operands) -> None:
                 f"path returns {shown(want_tree, want)}; every path must return the same "
                 "structure, shapes and dtypes"
             )
-    if key is not None and len(_AGREED) < 4096:
-        _AGREED.add(key)

@@ -4,20 +4,24 @@ Two trainers writing one workdir (a job launched twice, a notebook cell run agai
 save their own states under the same step numbers; a later resume or rollback would then restore
 a checkpoint of the other run. The trainer therefore holds an exclusive lock on the workdir
 (``fcntl.flock`` on ``.nan2safe.lock``, released by ``close`` or when the process ends, so a
-killed run never leaves it held):
+killed run never leaves it held; processes forked after it was taken, such as data-loader
+workers, drop their copy):
 
 * a trainer in another process holding it: the new one raises ``ValueError``;
-* a trainer in this process holding it (the notebook case): that one is closed, with a warning,
-  and the new one takes the workdir over.
+* a trainer in this process holding it (the notebook case): the new one takes the workdir over,
+  closing that one with a warning, once it has been built and has resumed (a new trainer that
+  fails, e.g. on the checkpoints of a changed model, leaves the running one as it was).
 
 Each process of a ``jax.distributed`` run locks its own log folder (``sharding.log_dir``), so the
-processes of one run never contend, while a second run's process of the same index does.
+processes of one run never contend, while a second run's process of the same index does. On a
+filesystem without ``flock`` (some network mounts) the workdir is not held.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import uuid
 import warnings
 import weakref
 from pathlib import Path
@@ -29,8 +33,8 @@ except ImportError:  # pragma: no cover - Windows: no advisory locks, the workdi
 
 LOCK_FILE = ".nan2safe.lock"
 
-# lock path -> the owner (a Trainer) holding it in this process
-_held: dict[Path, weakref.ref] = {}
+_held: dict[Path, weakref.ref] = {}  # lock path -> the owner (a Trainer) holding it here
+_locks: weakref.WeakSet = weakref.WeakSet()  # every WorkdirLock holding its file in this process
 
 
 def check_workdir(workdir) -> Path:
@@ -46,7 +50,8 @@ def check_workdir(workdir) -> Path:
         raise ValueError(f"workdir {str(path)!r} exists and is not a directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".nan2safe_write_test"
+        # a name of its own: the processes of one run check the shared workdir at once
+        probe = path / f".nan2safe_write_test.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
@@ -55,75 +60,125 @@ def check_workdir(workdir) -> Path:
 
 
 class WorkdirLock:
-    """An exclusive hold on ``folder`` for ``owner`` (see the module docstring).
+    """An exclusive hold on ``folder`` (see the module docstring).
+
+    Built first, it raises when another process holds the folder; ``holder`` is then a trainer
+    of this process that holds it (or None). ``take_over(owner)`` makes ``owner`` the holder,
+    closing that one first.
 
     Args:
       folder: the folder to hold (created).
-      owner: the object holding it; ``owner.close()`` is called when a newer holder in this
-        process takes the folder over.
 
     Raises:
       ValueError: another process holds the folder.
     """
 
-    def __init__(self, folder, owner):
-        self.path = (Path(folder) / LOCK_FILE).absolute()
+    def __init__(self, folder):
+        self.path = (Path(folder) / LOCK_FILE).resolve()  # one key for every spelling of it
         self._file = None
+        self._pending = None  # the open lock file, while a holder of this process has it
+        self.holder = None
         if fcntl is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         f = open(self.path, "a+")  # noqa: SIM115 - held open for the owner's lifetime
         try:
-            if not self._try(f):
-                self._take_over(f, owner)
-            f.seek(0)
-            f.truncate()
-            f.write(f"{os.getpid()}\n")
-            f.flush()
+            if not _try(f):
+                ref = _held.get(self.path)
+                self.holder = None if ref is None else ref()
+                if self.holder is None:
+                    gc.collect()  # a dropped holder in a reference cycle still has it open
+                    if not _try(f):
+                        _refuse(f, self.path)
         except BaseException:
             f.close()
             raise
-        self._file = f
-        _held[self.path] = weakref.ref(owner)
-
-    @staticmethod
-    def _try(f) -> bool:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        except OSError:  # a filesystem without flock (some network mounts): not held
-            return True
-        return True
-
-    def _take_over(self, f, owner) -> None:
-        ref = _held.get(self.path)
-        holder = None if ref is None else ref()
-        if holder is not None and holder is not owner:
-            warnings.warn(
-                f"a new Trainer takes workdir {str(self.path.parent)!r} over: the Trainer that "
-                "held it in this process is closed",
-                stacklevel=4,
-            )
-            holder.close()
+        if self.holder is None:
+            self._own(f)
         else:
-            gc.collect()  # a dropped holder in a reference cycle still has the file open
-        if self._try(f):
-            return
+            self._pending = f
+
+    def _own(self, f) -> None:
         f.seek(0)
-        pid = f.read().strip() or "unknown"
-        raise ValueError(
-            f"workdir {str(self.path.parent)!r} is in use by another Trainer (process {pid}); "
-            "two runs in one workdir would overwrite each other's checkpoints. Stop that run, "
-            "or give this one its own workdir"
-        )
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self._file = f
+        _locks.add(self)
+
+    def take_over(self, owner) -> None:
+        """Holds the folder for ``owner``: a holder of this process is closed (warned) first.
+
+        Raises:
+          ValueError: the folder is still held after that (another process took it).
+        """
+        if self._pending is not None:
+            f, self._pending = self._pending, None
+            holder, self.holder = self.holder, None
+            if holder is not None and holder is not owner:
+                warnings.warn(
+                    f"a new Trainer takes workdir {str(self.path.parent)!r} over: the Trainer "
+                    "that held it in this process is closed",
+                    stacklevel=3,
+                )
+                holder.close()
+            if not _try(f):
+                try:
+                    _refuse(f, self.path)
+                finally:
+                    f.close()
+            self._own(f)
+        if self._file is not None:
+            _held[self.path] = weakref.ref(owner)
 
     def release(self) -> None:
         """Lets the folder go (the lock file stays: deleting it would race a new holder)."""
+        if self._pending is not None:
+            self._pending.close()
+            self._pending = None
         if self._file is None:
             return
         if _held.get(self.path) is not None:
             del _held[self.path]
-        fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
-        self._file.close()
-        self._file = None
+        _locks.discard(self)
+        f, self._file = self._file, None
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        except OSError:  # no flock on this filesystem: nothing was held
+            pass
+        finally:
+            f.close()
+
+
+def _try(f) -> bool:
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:  # a filesystem without flock (some network mounts): not held
+        return True
+    return True
+
+
+def _refuse(f, path: Path) -> None:
+    f.seek(0)
+    pid = f.read().strip() or "unknown"
+    raise ValueError(
+        f"workdir {str(path.parent)!r} is in use by another Trainer (process {pid}); two runs "
+        "in one workdir would overwrite each other's checkpoints. Stop that run, or give this "
+        "one its own workdir"
+    )
+
+
+def _drop_in_child() -> None:
+    """In a forked child: closes its copies of the lock files, without unlocking (the lock
+    belongs to the parent; it goes with the parent's own copy)."""
+    for lock in list(_locks):
+        if lock._file is not None:
+            lock._file.close()
+            lock._file = None
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_in_child)

@@ -243,10 +243,20 @@ class _Scaled(nnx.Linear):
         return super().__call__(x) * 2.0
 
 
+class _Helper:
+    def helper(self):
+        return 1
+
+
+class _Mixed(nnx.Linear, _Helper):  # a mixin's method after the flax base
+    pass
+
+
 class _Holder(nnx.Module):  # a container: no code
     def __init__(self, rngs):
         self.dense = _Dense(4, 4, rngs=rngs)
         self.scaled = _Scaled(4, 4, rngs=rngs)
+        self.mixed = _Mixed(4, 4, rngs=rngs)
         self.plain = nnx.Linear(4, 4, rngs=rngs)
         self.alias = self.plain
 
@@ -258,6 +268,7 @@ def test_subclasses_are_converted_when_named_and_their_own_code_is_said():
         isinstance(model.dense, _Dense) and "converted only when include= names it" in left["dense"]
     )
     assert isinstance(model.scaled, _Scaled) and "code of its own (__call__)" in left["scaled"]
+    assert isinstance(model.mixed, _Mixed) and "code of its own (helper)" in left["mixed"]
     assert "" not in left  # a container with no code is no "user code outside every site"
     # one layer under two paths, one excluded: said, not silently converted at the other
     assert isinstance(model.plain, nn.Linear) and "shared with plain" in left["alias"]

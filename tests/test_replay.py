@@ -393,6 +393,26 @@ def test_an_inf_that_exp_or_tanh_turns_finite_is_absorbed_not_observed(where, fa
         assert locate(jax.make_jaxpr(g)(q, x), (q, x)) is None
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["loss", "value_and_grad"])
+def test_an_overflow_that_rsqrt_turns_into_a_wrong_zero_is_still_the_root(grad):
+    """``rsqrt(inf) = 0`` is finite but wrong for the value that overflowed: the norm zeroes
+    the row, and a later 0/0 is its consequence, not the fault."""
+
+    def rms_norm(x):  # fp16, a hand-written norm
+        ms = jnp.mean(x * x, axis=-1, keepdims=True)  # FAULT:rsqrt_overflow
+        return x * jax.lax.rsqrt(ms + jnp.float16(1e-6))
+
+    def loss(w, x):
+        h = rms_norm(x @ w).astype(jnp.float32)
+        return jnp.sum(h / jnp.linalg.norm(h, axis=-1, keepdims=True))  # 0/0
+
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(np.eye(8) * 300, jnp.float16)
+    x = jnp.asarray(rng.normal(size=(2, 8)), jnp.float16)
+    f = jax.value_and_grad(loss) if grad else loss
+    _check(f, (w, x), "mul", "rsqrt_overflow", "inf")
+
+
 def test_causal_mask_then_real_fault():
     def f(q):
         s = q @ q.T

@@ -400,3 +400,4 @@ def test_report_cli_names_what_is_wrong_and_writes_where_told(tmp_path, run_dir,
     assert out.read_bytes()[:8] == PNG_MAGIC
     printed = capsys.readouterr().out
     assert "steps run" in printed and f"dashboard: {out}" in printed
+    assert "dash_tensorboard" in printed or "needs tensorboardX" in printed

@@ -228,6 +228,21 @@ def test_paths_that_disagree_are_named_at_the_first_call(wrong, said, traced):
     assert call(ok, x).shape == (2, 3)
 
 
+def test_paths_that_disagree_only_for_a_static_argument_are_named_for_it():
+    def fast(x, upcast):
+        return x * x
+
+    def safe(x, upcast):
+        y = jnp.square(x.astype(jnp.float32))
+        return y if upcast else y.astype(x.dtype)
+
+    site = nn.Site(fast, safe=safe, name="sq")
+    x = jnp.ones((2, 3), jnp.float16)
+    assert site(x, upcast=False).shape == (2, 3)
+    with pytest.raises(ValueError, match="Site 'sq': the safe path"):
+        site(x, upcast=True)
+
+
 def test_site_in_a_vmapped_stack_has_a_layer_gear_and_static_kwargs():
     @nnx.vmap(in_axes=None, out_axes=0, axis_size=3)
     def make():

@@ -155,7 +155,8 @@ def make_fragile():
 def loss_with_aux(model, batch):
     """``loss_fn`` and the mean prediction as aux (a ``has_aux=True`` loss)."""
     x, _ = batch
-    return loss_fn(model, batch), {"mean_out": jnp.mean(model(x).astype(jnp.float32))}
+    out = model(x).astype(jnp.float32)
+    return loss_fn(model, batch), {"mean_out": jnp.mean(out), "rows": out}
 
 
 def make_fragile_aux():

@@ -86,7 +86,7 @@ class Ctx:
     ``codes()``); outputs of value-preserving equations reuse their inputs' references instead.
     ``recs`` holds per flat equation ``("eqn", in_ref, out_ref)`` (``"mask"`` for an equation that
     can drop an operand: ``select_n``, ``cond``, or absorb an infinite one into a finite float
-    result: ``exp``, ``div``, ``max`` ... (``_ABSORBING``); a ``cond`` whose branch is known adds
+    result: ``exp``, ``tanh``, ``max`` ... (``_ABSORBING``); a ``cond`` whose branch is known adds
     a fourth item, the reference of the operands that branch drops), or ``("given", bool[3])``
     for a loop instrumented in place (its rule computed its flags; its first flagged steps are in
     ``steps``).
@@ -500,14 +500,17 @@ def _reads(jaxpr: Any) -> list[bool]:
 # is dropped by them, never reaches a result (``jnp.where(x > 0, jnp.log(x), 0)``; a gear switch
 # that passes FAST's value through only at FAST).
 _MASKING = frozenset({"select_n", "cond"})
-# Float arithmetic that maps an infinite operand to a finite value, as the limit would:
-# ``exp(-inf) = 0``, ``1 / inf = 0``, ``tanh(inf) = 1``, ``max(-inf, x) = x``. A finite result of
-# one absorbs the inf; it does not *observe* it, as a comparison or ``isfinite`` does (fp16
-# flax attention fills masked logits with the dtype's minimum, and ``fill - rowmax`` rounds to
-# ``-inf`` on the way to ``exp``: no fault). A non-finite result of one carries the operand on.
+# Float arithmetic whose finite result for an infinite operand is the one it gives every value
+# past the dtype's limit: ``exp(-inf) = 0`` (so is ``exp(-65520)``), ``tanh(inf) = 1``,
+# ``max(-inf, x) = x``. A finite result of one absorbs the inf: nothing was lost, and it does not
+# *observe* it, as a comparison or ``isfinite`` does (fp16 flax attention fills masked logits
+# with the dtype's minimum, and ``fill - rowmax`` rounds to ``-inf`` on the way to ``exp``: no
+# fault). Not ``1 / inf = 0`` or ``rsqrt(inf) = 0``: their finite result is wrong for the value
+# that overflowed (``x * rsqrt(mean(x*x))`` zeroing a row is the fault), so they observe it. A
+# non-finite result carries the operand on; a NaN operand gives a NaN result here.
 _ABSORBING = frozenset(
-    {"exp", "exp2", "expm1", "tanh", "logistic", "atan", "atan2", "erf", "erfc", "sign"}
-    | {"div", "rsqrt", "integer_pow", "pow", "max", "min", "clamp", "reduce_max", "reduce_min"}
+    {"exp", "exp2", "expm1", "tanh", "logistic", "atan", "erf", "erfc", "sign"}
+    | {"max", "min", "clamp", "reduce_max", "reduce_min"}
 )
 
 

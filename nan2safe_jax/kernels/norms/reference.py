@@ -7,8 +7,8 @@ Statistics (shared with the kernels):
     because ``(x*sc - mean*sc) / sqrt(var*sc**2 + eps*sc**2)`` is the same number;
   * compensated sums (TwoSum tree here, Neumaier lanes in the kernel);
   * layer norm: corrected two-pass variance ``mean(d**2) - mean(d)**2`` with
-    ``d = x - mean`` (Chan, Golub & LeVeque 1983), clamped at 0; here on the row shifted by its
-    first value, so that a constant row's ``d`` is exactly 0;
+    ``d = x - mean`` (Chan, Golub & LeVeque 1983), clamped at 0; a constant row normalises to
+    exactly 0, not to the rounding residue of its mean;
   * degenerate rows are finite: ``var + eps == 0`` (a constant row with eps = 0) gives a
     normalised output of 0 for layer norm (so ``y = bias``); an all-zero row with eps = 0 gives
     0 for RMS norm. Double-where keeps the gradient finite there;
@@ -60,17 +60,15 @@ def layer_norm_stats(x2d, eps: float, acc: jnp.dtype):
     inverse standard deviation in x's units (0 for degenerate rows), counts per row."""
     xs, sc, bad, counts = _prologue(x2d, acc)
     n = xs.shape[-1]
-    # Shifted by the row's first value (the mean moves, ``d`` does not): a constant row is 0
-    # exactly, so its ``d`` is 0 however XLA evaluates it. Unshifted, ``sum(xs) / n`` rounds
-    # off ``xs``, and XLA may compute ``d`` and its mean ``sd`` through different fusions: the
-    # residue ``d - sd`` (~4e-9), times the degenerate row's inverse std, was 7e7.
-    xs = xs - lax.stop_gradient(xs[..., :1])
     mean = (_common.tree_sum(xs) / n)[..., None]
     d = xs - mean
     sd, sdd = (_common.tree_sum(jnp.stack([d, d * d])) / n)[..., None]  # one tree, two sums
     var = jnp.maximum(sdd - sd * sd, 0)
     inv = inv_std(var + eps_scaled(eps, sc), eps, sc)
-    yhat = jnp.where(bad, jnp.nan, (d - sd) * inv)
+    # A constant row is 0 exactly: ``sum / n`` rounds off its value, and the rounding residue
+    # ``d - sd`` (~4e-9) over the residue's own spread, or times 1/sqrt(eps), was 0.7 or 7e7.
+    flat = jnp.max(xs, axis=-1, keepdims=True) == jnp.min(xs, axis=-1, keepdims=True)
+    yhat = jnp.where(bad, jnp.nan, jnp.where(flat, 0, (d - sd) * inv))
     big = jnp.finfo(acc).max
     return yhat, jnp.minimum(inv * sc, big), counts
 
