@@ -110,6 +110,21 @@ def polluted_report(batch) -> Report:
     )
 
 
+def gathered_size(operand_shape, output_shape) -> int:
+    """The size of the axis a gather indexes: the one operand axis whose size the output does
+    not keep (an embedding table ``[V, D]`` gives ``[..., D]``: ``V``; logits ``[B, T, C]``
+    taken along their last axis give ``[B, T]``: ``C``); the last axis when that is ambiguous
+    (equal sizes)."""
+    left = list(output_shape or ())
+    gone = []
+    for n in operand_shape:
+        if n in left:
+            left.remove(n)
+        else:
+            gone.append(n)
+    return gone[0] if len(set(gone)) == 1 else operand_shape[-1]
+
+
 def out_of_range_labels(batch, size: int) -> tuple[str, list[int]] | None:
     """The first integer batch leaf holding values outside ``[0, size)``, and its bad rows.
 
@@ -197,12 +212,14 @@ def decide(step_fn, before, batch, after, metrics: dict, cfg: Config) -> Decisio
         return Decision("polluted_input", report, action="skipped the batch (data, not model)")
     if report.primitive == "gather" and report.inputs:
         # A gather only copies values: NaN from finite inputs is its out-of-bounds fill, e.g.
-        # a cross-entropy's take_along_axis over labels outside [0, vocab).
-        bad = out_of_range_labels(batch, report.inputs[0]["shape"][-1])
+        # a cross-entropy's take_along_axis over labels outside [0, vocab), or an embedding
+        # lookup of a token outside [0, vocab).
+        size = gathered_size(report.inputs[0]["shape"], report.output_shape)
+        bad = out_of_range_labels(batch, size)
         if bad is not None:
             return Decision(
                 "polluted_input",
-                label_report(batch, *bad, report.inputs[0]["shape"][-1]),
+                label_report(batch, *bad, size),
                 action="skipped the batch: integer labels out of range (data, not model)",
                 revert=True,
             )

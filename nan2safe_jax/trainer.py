@@ -116,6 +116,11 @@ def _host_scalar(x):
     return x.item() if np.ndim(x) == 0 and hasattr(x, "item") else None
 
 
+def _owned(x):
+    """``x``, or a copy of it when it is a numpy array the caller may write again."""
+    return np.array(x, copy=True) if isinstance(x, np.ndarray) else x
+
+
 def _config_changes(record: Path, config: dict) -> dict:
     """``{field: [old, new]}`` for each config field that differs from the run record
     ``record`` (empty when there is no readable record)."""
@@ -390,7 +395,15 @@ class Trainer:
         return history
 
     def _dispatch(self, batch, replayed: bool) -> _Step:
-        """Runs the step on the current state (asynchronously) and advances the counter."""
+        """Runs the step on the current state (asynchronously) and advances the counter.
+
+        The batch is kept (tier 2 replays it, the ring buffer holds it) as a copy of its numpy
+        leaves: a loader that refills one buffer for every batch would otherwise change it
+        under the replay, which then runs another batch (a fault reads as "transient") and a
+        rollback replays the newest batch in place of each since the checkpoint.
+        """
+        if not replayed:
+            batch = jax.tree_util.tree_map(_owned, batch)
         before = self.state
         self.state, metrics = self.step_fn(before, batch)
         step = _Step(self.step, batch, before, self.state, metrics, replayed)

@@ -568,6 +568,58 @@ def test_out_of_range_labels_are_a_polluted_input_not_a_model_fault(tmp_path):
     assert hist[-1]["loss_scale"] == hist[0]["loss_scale"]
 
 
+def test_a_loader_that_refills_one_buffer_is_replayed_with_the_batch_that_failed(tmp_path):
+    """The trainer keeps each batch for tier 2 and the ring buffer: a loader writing every
+    batch into the same numpy arrays must not change them under the replay."""
+    model, tx, loss, cfg = make_fragile()
+    batches = _batches(9, bad={6: "constant_row"})
+    x_buf, y_buf = (
+        np.zeros_like(np.asarray(batches[0][0])),
+        np.zeros_like(np.asarray(batches[0][1])),
+    )
+
+    def loader():
+        for x, y in batches:
+            x_buf[...], y_buf[...] = x, y
+            yield x_buf, y_buf
+
+    with Trainer(model, tx, loss, cfg, tmp_path / "run") as tr:
+        tr.fit(loader(), steps=9)
+        ev, ring = tr.events, list(tr.ring)
+    assert [e["step"] for e in ev if e["type"] == "locate"] == [6], _types(ev)
+    assert not any(e["type"] == "transient" for e in ev)
+    for s, (x, _) in ring:  # the ring holds each step's own batch
+        np.testing.assert_array_equal(x, np.asarray(batches[s][0]))
+
+
+class _TokenModel(nnx.Module):
+    def __init__(self, *, rngs):
+        self.embed = nnx.Embed(64, 32, rngs=rngs)  # vocabulary 64, features 32
+        self.head = nnx.Linear(32, 1, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.head(jnp.mean(self.embed(tokens), axis=1))
+
+
+def test_an_input_token_outside_the_vocabulary_is_named_with_the_vocabularys_bound(tmp_path):
+    """The embedding's gather fills NaN for a token past its table: the bound is the table's
+    rows (64), not its feature width (32), and only the row holding that token is named."""
+    rng = np.random.default_rng(0)
+    batches = []
+    for i in range(4):
+        tokens = rng.integers(32, 64, (8, 5)).astype(np.int32)  # all >= the width 32
+        if i == 2:
+            tokens[1, 0] = 9999
+        batches.append((tokens, rng.normal(size=(8, 1)).astype(np.float32)))
+    loss = lambda model, b: jnp.mean((model(b[0]) - b[1]) ** 2)  # noqa: E731
+    with Trainer(_TokenModel(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss, CFG, tmp_path) as tr:
+        tr.fit(batches, steps=4)
+        ev = tr.events
+    (polluted,) = [e for e in ev if e["type"] == "polluted_input"]
+    assert polluted["step"] == 2 and polluted["leaf"] == "[0]" and polluted["rows"] == [1]
+    assert "outside [0, 64)" in polluted["report"]["explanation"]
+
+
 class _AlwaysFragile(nnx.Module):
     """A site whose row normalisation is 0/0 on a zero row in every gear: SAFE cannot fix it."""
 

@@ -82,12 +82,15 @@ def cross_entropy(
     a compensated denominator (>= 1, so never log 0), the loss of a -inf target logit clamped to
     finite (f32's max over the token count: any number of them sums to a finite loss), a
     compensated masked mean, and 0 when no token is selected; a NaN or +inf logit,
-    or a label out of range, makes its token's loss non-finite, as at FAST (propagated, never
-    hidden).
+    or a label past the classes (``>= num_classes`` or ``< -num_classes``), makes its token's
+    loss non-finite, as at FAST (propagated, never hidden). A label in ``[-num_classes, 0)``
+    wraps around, in every gear, as optax's does (NumPy indexing): a PyTorch-style ignore index
+    (``-100``) is a real class whenever there are more than 100; leave such tokens out with
+    ``mask``.
 
     Args:
       logits: ``[..., num_classes]``.
-      labels: integer ``[...]``.
+      labels: integer ``[...]`` (see above for negative values).
       gear: FAST/STABLE/SAFE.
       mask: optional bool ``[...]``; True = count this token.
 
