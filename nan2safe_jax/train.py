@@ -604,7 +604,13 @@ def make_train_step(
       ran with), ``loss_scale``, ``grad_norm``, ``nonfinite``, ``skipped``, ``probes`` and
       ``probe_risk`` (each a ``probe.NamedValues``, one array read as a mapping: probe ->
       ``f32[NUM_STATS]`` statistics, in the detector's order; probe -> risk),
-      ``site_gears`` and ``next_all_fast`` (the next step's program).
+      ``site_gears`` and ``next_all_fast`` (the next step's program); the flags ``finite``,
+      ``overflow``, ``incident`` (a non-finite step the model made: tier 2's case),
+      ``polluted`` (a non-finite float in the batch), ``bad_update``, ``bad_rest`` and
+      ``next_gear``. A skipped step's ``loss`` is what it computed (NaN or inf): a loop of your
+      own averages the losses of the steps with ``skipped`` False. The step does not undo a
+      downshift that a data fault it cannot see as data caused (an empty mask's 0/0, a token
+      past the vocabulary): the ``Trainer``'s tier 2 does.
       ``step.jitted`` is the general step jitted without shardings and ``step.jitted_fast``
       the FAST-only one (what ``replay.locate_step`` traces; give it arguments gathered with
       ``nan2safe.sharding.to_local``); ``step.rules`` the rules; ``step.programs`` the
