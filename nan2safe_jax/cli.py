@@ -57,6 +57,9 @@ def _locate(args) -> int:
         state, batch = load_incident(workdir, args.step, template)
     except FileNotFoundError as err:
         print(err, file=sys.stderr)
+        why = _why_not_saved(workdir, args.step)
+        if why:
+            print(why, file=sys.stderr)
         return 2
     # The step as the run built it: a loss with aux outputs (``Trainer(has_aux=True)``).
     step = make_train_step(loss_fn, has_aux=bool(run.get("has_aux", False)))
@@ -87,6 +90,26 @@ def _run_dir(path: str) -> Path | None:
         )
         return None
     return wd
+
+
+def _why_not_saved(workdir: Path, step: int) -> str | None:
+    """What the run log says about ``step`` when no incident was saved for it (the trainer
+    saves located incidents only: a polluted input, a transient or damage has nothing to
+    replay)."""
+    from nan2safe_jax.runlog import read_events
+
+    kinds = {"polluted_input", "transient", "damaged"}
+    try:
+        seen = [e for e in read_events(workdir) if e.get("step") == step and e["type"] in kinds]
+    except (OSError, ValueError):
+        return None
+    if not seen:
+        return None
+    said = ", ".join(sorted({e["type"] for e in seen}))
+    return (
+        f"step {step} was logged as {said}: the data, a replay that stayed finite or a damaged "
+        "state, not a located fault, so no incident was saved to replay (see events.jsonl)"
+    )
 
 
 def _report(args) -> int:

@@ -195,7 +195,7 @@ def test_an_fp16_layer_whose_f32_weight_overflows_the_cast_is_located_and_run_in
     tr.close()
 
 
-def test_nan_in_the_data_is_reported_as_data(tmp_path):
+def test_nan_in_the_data_is_reported_as_data(tmp_path, capsys):
     tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
     hist = tr.fit(_batches(6, bad={2: "nan"}), steps=6)
     ev = tr.events
@@ -210,6 +210,12 @@ def test_nan_in_the_data_is_reported_as_data(tmp_path):
     assert hist[3]["loss_scale"] == hist[2]["loss_scale"] == hist[0]["loss_scale"]
     assert hist[3]["nonfinite"] == 0
     tr.close()
+    # Nothing was saved to replay at that step; ``nan2safe locate`` says why.
+    capsys.readouterr()
+    located = ["locate", str(tmp_path / "run"), "--step", "2"]
+    assert cli.main([*located, "--factory", "tiny_models:make_fragile"]) == 2
+    err = capsys.readouterr().err
+    assert "no incident saved for step 2" in err and "logged as polluted_input" in err
 
 
 def test_damaged_state_is_rolled_back_and_never_trained_on(tmp_path):
