@@ -126,7 +126,6 @@ def _report(args) -> int:
         print(f"cannot write the dashboard ({err}); pass --out PATH", file=sys.stderr)
         return 2
     print(f"dashboard: {path}")
-    # its own folder per dashboard: a shared --out folder holds several runs' reports
     # a folder per dashboard: one --out folder may hold several runs' reports
     tb = wd / "tensorboard" if not args.out else out.with_name(f"{out.stem}_tensorboard")
     try:

@@ -243,21 +243,6 @@ def _as_patterns(name: str, value) -> tuple | None:
     return out
 
 
-def _own_methods(cls: type, upto: type) -> list[str]:
-    """Methods (and properties) the classes of ``cls``'s MRO before ``upto`` define, less
-    ``__init__``: code of their own that a site would not run."""
-    mro = cls.__mro__
-    own = []
-    for c in mro[: mro.index(upto)] if upto in mro else mro:
-        for k, v in vars(c).items():
-            if k == "__init__" or not (callable(v) or isinstance(v, property)):
-                continue
-            if k.startswith("__") and k.endswith("__") and k != "__call__":
-                continue  # class bookkeeping (``__init_subclass__``, ``__class_getitem__``...)
-            own.append(k)
-    return sorted(set(own))
-
-
 _CLASS_BOOKKEEPING = frozenset(
     {"__init__", "__module__", "__qualname__", "__doc__", "__dict__", "__weakref__"}
     | {"__annotations__", "__firstlineno__", "__static_attributes__", "__orig_bases__"}
@@ -265,14 +250,24 @@ _CLASS_BOOKKEEPING = frozenset(
 )
 
 
-def _own_code(cls: type) -> list[str]:
+def _own_code(cls: type, methods_only: bool = False) -> list[str]:
     """What the non-flax classes of ``cls``'s MRO (a subclass, its mixins) define besides
-    ``__init__``: methods, properties, class attributes, which a site would not have."""
+    ``__init__``: methods, properties, class attributes, which a site would not have.
+    ``methods_only``: the methods and properties alone, less dunders other than ``__call__``
+    (code of the user's own: "user code outside every site")."""
     own = set()
     for c in cls.__mro__:
         if c is object or c.__module__.startswith("flax."):
             continue
-        own |= {k for k in vars(c) if k not in _CLASS_BOOKKEEPING and not k.startswith("_pytree__")}
+        for k, v in vars(c).items():
+            if k in _CLASS_BOOKKEEPING or k.startswith("_pytree__"):
+                continue
+            if methods_only and (
+                not (callable(v) or isinstance(v, property))
+                or (k.startswith("__") and k.endswith("__") and k != "__call__")
+            ):
+                continue
+            own.add(k)
     return sorted(own)
 
 
@@ -449,7 +444,7 @@ def convert(
                     LeftAlone(name, type(value).__name__, "no nan2safe.nn counterpart (not a site)")
                 )
                 return value
-            if not mod.startswith("flax.") and _own_methods(type(value), nnx.Module):
+            if not mod.startswith("flax.") and _own_code(type(value), methods_only=True):
                 left.append(LeftAlone(name, type(value).__name__, _USER_CODE))
             if isinstance(value, nnx.List):
                 for i in range(len(value)):

@@ -64,7 +64,7 @@ from jax import lax
 from nan2safe_jax import ops
 from nan2safe_jax import probe as probe_lib
 from nan2safe_jax.probe import cheap_stats, probe_enabled, sampled_stats
-from nan2safe_jax.site import Probe, SiteGear, fill_defaults, site_scope
+from nan2safe_jax.site import Probe, SiteGear, fill_default, fill_defaults, site_scope
 
 __all__ = [
     "CrossEntropy",
@@ -112,12 +112,11 @@ def _value(v):
     return None if v is None else v[...]
 
 
-def _read(var: nnx.Variable, fill) -> jax.Array:
+def _read(var: nnx.Variable) -> jax.Array:
     """The variable's value; an abstract one (``nnx.eval_shape``, then only the ``Param``s
-    filled in) first gets its concrete default ``fill``, so an abstractly built model runs."""
-    v = var.get_value()
-    if isinstance(v, jax.ShapeDtypeStruct):
-        var.set_value(jnp.full(v.shape, fill, v.dtype))
+    filled in) first gets its default (``site.fill_default``), so an abstractly built model
+    runs."""
+    fill_default(var)
     return var[...]
 
 
@@ -163,7 +162,7 @@ class _Site(nnx.Module):
         self.site_name = type(self).__name__
 
     def _gear(self) -> jax.Array:
-        return _read(self.gear, 0)
+        return _read(self.gear)
 
     @contextlib.contextmanager
     def _scope(self):
@@ -847,7 +846,7 @@ class MultiHeadAttention(_Site):
             mask=m4,
             causal=is_causal,
             gear=self._gear(),
-            logit_scale=_read(self.qk_scale, 1.0),
+            logit_scale=_read(self.qk_scale),
             explicit=explicit,
             dropout_multiplier=mult,
             precision=self.precision,
@@ -946,7 +945,7 @@ class Router(_Site):
         with self._scope():
             x = jnp.asarray(x)
             x = x.astype(_compute_dtype(x, self.dtype, kernel))
-            kernel = kernel * _read(self.logit_scale, 1.0).astype(kernel.dtype)
+            kernel = kernel * _read(self.logit_scale).astype(kernel.dtype)
             r, st = ops.router(x, kernel, self.top_k, gear=self._gear(), return_stats=True)
             _write_if(self.probe_logits, st, "logits", "router_logits")
         return r

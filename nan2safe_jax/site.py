@@ -60,15 +60,20 @@ def fill_defaults(model: nnx.Module, lead: tuple[int, ...] = (), fallback=None) 
       ``model``.
     """
     for _, var in nnx.iter_graph(model):
-        if not isinstance(var, nnx.Variable) or isinstance(var, nnx.Param):
-            continue
-        v = var.get_value()
-        if not isinstance(v, jax.ShapeDtypeStruct):
-            continue
+        if isinstance(var, nnx.Variable) and not isinstance(var, nnx.Param):
+            fill_default(var, lead, fallback)
+    return model
+
+
+def fill_default(var: nnx.Variable, lead: tuple[int, ...] = (), fallback=None) -> jax.Array:
+    """``var``'s value, after giving it its class's ``default`` (or ``fallback``; None leaves
+    it) if it is still abstract (see ``fill_defaults``), in ``lead + its shape``."""
+    v = var.get_value()
+    if isinstance(v, jax.ShapeDtypeStruct):
         value = getattr(type(var), "default", fallback)
         if value is not None:
             var.set_value(jnp.full(tuple(lead) + tuple(v.shape), value, v.dtype))
-    return model
+    return var.get_value()
 
 
 def site_scope(name: str):

@@ -42,7 +42,7 @@ from flax import nnx
 
 from nan2safe_jax import ops
 from nan2safe_jax import probe as probe_lib
-from nan2safe_jax.site import Probe, SiteGear, branch_site, site_scope
+from nan2safe_jax.site import Probe, SiteGear, branch_site, fill_default, site_scope
 
 __all__ = ["Site"]
 
@@ -97,9 +97,7 @@ class Site(nnx.Module):
         self.probe_output = Probe(probe_lib.zeros()) if probe else nnx.data(None)
 
     def _gear(self) -> jax.Array:
-        v = self.gear.get_value()
-        if isinstance(v, jax.ShapeDtypeStruct):  # built by nnx.eval_shape
-            self.gear.set_value(jnp.zeros(v.shape, v.dtype))
+        fill_default(self.gear)  # built by nnx.eval_shape: FAST
         return self.gear[...]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
