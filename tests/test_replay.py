@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -543,6 +544,32 @@ def test_opaque_pallas_call_is_named_and_not_entered():
     assert "could not enter pallas_call: the fault is inside it" in r.explanation
     assert r.diagnosis == "other"
     assert r.channels == {0: [3], 1: [5]}
+
+
+def test_a_singular_solve_is_named_with_what_it_made_not_an_overflow():
+    """``custom_linear_solve`` is not entered: its report says what it made and what a solve's
+    usual cause is; a zero pivot of a 2 x 2 matrix is no overflow of values up to 4."""
+    a = jnp.array([[1.0, 2.0], [2.0, 4.0]])
+    r = locate(jax.make_jaxpr(jnp.linalg.inv)(a), (a,))
+    assert r.primitive == "custom_linear_solve" and r.diagnosis == "other", r
+    assert "could not enter custom_linear_solve: the fault is inside it" in r.explanation
+    assert "singular or ill-conditioned" in r.explanation
+    assert "exceed" not in r.explanation and "range" not in r.explanation
+
+
+def test_complex_values_are_summarized_by_their_moduli_without_a_warning():
+    """A complex FFT input has no min or max (NumPy would cast to the real part and warn); its
+    overflowed intermediate (``3e38 + 3e38``) is an overflow."""
+    x = jnp.full((8,), 3e38) * 1j + 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = locate(jax.make_jaxpr(jnp.fft.fft)(x), (x,))
+        text = str(r)
+    assert r.primitive == "fft" and r.diagnosis == "overflow", r
+    s = r.inputs[0]
+    assert s["min"] is None and s["max"] is None and np.isclose(s["max_abs"], 3e38, rtol=1e-6)
+    assert "min=" not in text.split("input 0:")[1].split("\n")[0]
+    json.dumps(r.to_dict())
 
 
 def test_report_is_frozen_and_json_safe():

@@ -130,6 +130,29 @@ def test_while_condition_root_and_earlier_step_wins(cond_at, body_at, want):
     assert _at(r.source, marker), r.source
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_a_vmapped_while_with_a_batched_predicate_is_entered(dtype):
+    """Per-example trip counts: the batched loop's predicate is ``bool[B]`` (JAX runs while any
+    holds); the overflow is the body's ``mul`` at iteration 1 (fp16) or 3 (f32)."""
+    k = jnp.asarray(1e10 if dtype == jnp.float32 else 300.0, dtype)
+
+    def f(v):
+        def body(c):
+            return c[0] + 1.0, c[1], c[2] * k  # FAULT:vmap_body
+
+        init = (jnp.zeros((), dtype), v, jnp.ones((), dtype))
+        return lax.while_loop(lambda c: c[0] < c[1], body, init)[2]
+
+    g = jax.vmap(f)
+    x = jnp.array([1.0, 5.0], dtype)
+    ref = np.asarray(g(x))
+    assert np.isfinite(ref[0]) and np.isinf(ref[1])
+    r = replay.locate(jax.make_jaxpr(g)(x), (x,))
+    assert r is not None and r.primitive == "mul" and r.diagnosis == "overflow", r
+    assert ("iter", 3 if dtype == jnp.float32 else 1) in r.eqn_path, r.eqn_path
+    assert _at(r.source, "vmap_body"), r.source
+
+
 # --------------------------------------------------------------------------------------------
 # user line: an equation inside a nan2safe.nn site names the model line that called the site
 

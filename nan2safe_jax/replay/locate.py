@@ -37,6 +37,7 @@ from nan2safe_jax.replay.report import (
     channel_scan,
     diagnose,
     direction_of,
+    opaque_why,
 )
 from nan2safe_jax.replay.search import Found, Session, first_flagged, search
 from nan2safe_jax.site import site_from_name_stack
@@ -273,7 +274,7 @@ def _locate(
     elif jc.has_sub_jaxpr(found.item.eqn) and ref.primitive not in rules.COMBINER:
         # an opaque higher-order primitive was blamed
         diagnosis = "other"
-        why = f"could not enter {ref.primitive}: the fault is inside it ({why})"
+        why = opaque_why(ref.primitive, out, kind, in_stats)
     return Report(
         primitive=ref.primitive,
         source=ref.source,

@@ -35,6 +35,7 @@ _DOMAIN_PRIMS = frozenset(
 _ARITH_PRIMS = frozenset(
     {"add", "sub", "mul", "dot_general", "reduce_sum", "cumsum", "conv_general_dilated", "exp"}
     | {"exp2", "expm1", "add_any", "reduce_precision", "convert_element_type", "tanh", "logistic"}
+    | {"fft"}
 )
 
 
@@ -223,9 +224,10 @@ def array_stats(x: Any, literal: bool = False) -> dict[str, Any]:
     out["nan"] = int(np.isnan(a).sum())
     if fin.any():
         f = a[fin]
+        real = not np.iscomplexobj(f)  # a complex array has no order: only its moduli
         out.update(
-            min=float(f.min()),
-            max=float(f.max()),
+            min=float(f.min()) if real else None,
+            max=float(f.max()) if real else None,
             max_abs=float(np.abs(f).max()),
             min_abs=float(np.abs(f).min()),
         )
@@ -341,6 +343,24 @@ def diagnose(
     return "other", f"{primitive} produced {n_bad} {where} value(s) from finite inputs"
 
 
+def opaque_why(primitive: str, out: Any, kind: str, in_stats: Sequence[dict]) -> str:
+    """The explanation for a higher-order primitive the replay cannot enter: what it made, not
+    why (``diagnose``'s reasons are about one arithmetic op; a solve's zero pivot is no
+    overflow)."""
+    n_bad = int((~np.isfinite(_as_np(np.asarray(out)))).sum())
+    max_in = max((s["max_abs"] or 0.0 for s in in_stats if s.get("max_abs") is not None), default=0)
+    why = (
+        f"could not enter {primitive}: the fault is inside it; it made {n_bad} {kind} value(s) "
+        f"from finite inputs (max |input| = {max_in:.6g})"
+    )
+    if primitive == "custom_linear_solve":
+        why += (
+            "; a linear solve (jnp.linalg.solve, inv) gives this for a singular or "
+            "ill-conditioned matrix"
+        )
+    return why
+
+
 def _broadcast(x: Any, shape: tuple[int, ...]) -> np.ndarray | None:
     try:
         return np.broadcast_to(_as_np(np.asarray(x)), shape)
@@ -371,8 +391,9 @@ def _stats_str(s: dict) -> str:
     tag = " (literal)" if s.get("literal") else ""
     if s.get("max_abs") is None:
         return f"{s['dtype']}{s['shape']}{tag}, nonfinite={s.get('nonfinite', 0)}"
+    order = f" min={s['min']:.4g} max={s['max']:.4g}" if s.get("min") is not None else ""
     return (
-        f"{s['dtype']}{s['shape']}{tag} min={s['min']:.4g} max={s['max']:.4g} "
+        f"{s['dtype']}{s['shape']}{tag}{order} "
         f"max|x|={s['max_abs']:.4g} min|x|={s['min_abs']:.4g} nonfinite={s['nonfinite']}"
     )
 

@@ -198,13 +198,16 @@ def _while_split(eqn: Any, invals: list) -> tuple[dict, list, list, list]:
 def _while_flags(eqn: Any, invals: list, ns: Any) -> tuple[list, Any]:
     """The loop with its body *and* its condition instrumented: condition evaluation ``t`` is step
     ``2t``, iteration ``t`` step ``2t + 1``. The condition is evaluated inside the body (and once
-    before the loop) because a ``while_loop`` condition may return nothing but its predicate."""
+    before the loop) because a ``while_loop`` condition may return nothing but its predicate
+    (a ``bool[B]`` one under ``vmap``: the loop runs while any is true)."""
     wp, cc, bc, init = _while_split(eqn, invals)
 
     def cond_eval(c):
         sub = it.Ctx("flags")
         pred = it.walk(wp["cond_jaxpr"], wp["cond_consts"], [*cc, *c], sub, ns)[0]
-        return pred, sub.any_flags()
+        # A vmapped loop's predicate is batched (one per example); JAX runs the loop while any
+        # holds, and its body keeps a finished example's carry with a select.
+        return jnp.any(pred), sub.any_flags()
 
     def body(s):
         _, i, first, c = s
