@@ -71,20 +71,33 @@ def state_is_finite(tree) -> bool:
     return bool(ok)
 
 
+def _empty(leaf) -> bool:
+    """A zero-size array (a model without sites has no per-site gear values): orbax refuses to
+    save one, and its shape and dtype are the template's anyway."""
+    return not _is_key(leaf) and np.size(leaf) == 0
+
+
 def _to_saveable(state) -> dict:
+    """The state's leaves by flat index, keys as raw key data; zero-size leaves are left out
+    (``_from_saved`` takes them from the template)."""
     leaves = jax.tree_util.tree_leaves(state)
     out = {}
     for i, leaf in enumerate(leaves):
-        out[f"{i:05d}"] = jax.random.key_data(leaf) if _is_key(leaf) else leaf
+        if not _empty(leaf):
+            out[f"{i:05d}"] = jax.random.key_data(leaf) if _is_key(leaf) else leaf
     return out
 
 
 def _from_saved(saved: dict, template):
     leaves, treedef = jax.tree_util.tree_flatten(template)
-    if len(saved) != len(leaves):
-        raise ValueError(f"checkpoint has {len(saved)} arrays, the state has {len(leaves)}")
+    kept = sum(not _empty(leaf) for leaf in leaves)
+    if len(saved) != kept:
+        raise ValueError(f"checkpoint has {len(saved)} arrays, the state has {kept}")
     new = []
     for i, like in enumerate(leaves):
+        if _empty(like):
+            new.append(like)
+            continue
         value = saved[f"{i:05d}"]
         if _is_key(like):
             value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(like))
@@ -183,7 +196,7 @@ def _layout_of(shapes, like, path):
 
 def _first_difference(shapes, like) -> str:
     """Where the saved ``shapes`` and ``like``'s arrays first differ, by the state's leaf path."""
-    named = jax.tree_util.tree_flatten_with_path(like)[0]
+    named = [(k, v) for k, v in jax.tree_util.tree_flatten_with_path(like)[0] if not _empty(v)]
     if len(named) != len(shapes):
         return f"it holds {len(shapes)} arrays, this state {len(named)}"
     for (key, leaf), saved in zip(named, shapes, strict=True):
