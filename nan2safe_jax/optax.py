@@ -334,7 +334,16 @@ def guard(inner: optax.GradientTransformation, cfg: Config | None = None):
     )
 
     def init_fn(params):
-        return GuardState(scale_tx.init(params), body.init(params))
+        skip = body.init(params)
+        if holds_guard(skip):
+            raise ValueError(
+                "tx: the optimizer passed to guard (or to TrainState.create / Trainer, which "
+                "wrap it in one) already holds a nan2safe guard inside another optax wrapper "
+                "(optax.chain, apply_if_finite, MultiSteps ...): the outer guard's loss-scale "
+                "argument would unscale the gradients twice. Put the guard outermost, once: "
+                "guard(optax.chain(...)), or pass the plain optimizer"
+            )
+        return GuardState(scale_tx.init(params), skip)
 
     def update_fn(updates, state, params=None, *, gear=None, finite=None, **extra):
         verdict = _verdict(updates, finite)
@@ -412,6 +421,39 @@ def apply_update(tx, grads, opt_state, params, applied: jax.Array, **extra):
 def is_guarded(opt_state) -> bool:
     """True when ``opt_state`` is the state of ``guard``."""
     return isinstance(opt_state, GuardState)
+
+
+def holds_guard(opt_state) -> bool:
+    """True when a ``guard`` state is anywhere in ``opt_state`` (at its top or nested in the
+    state of ``optax.chain``, ``apply_if_finite`` ...)."""
+    nodes = jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, GuardState))
+    return any(isinstance(x, GuardState) for x in nodes)
+
+
+_SCHEDULE_STATES = (
+    optax.ScaleByScheduleState,
+    optax.InjectHyperparamsState,
+    optax.InjectStatefulHyperparamsState,
+)
+
+
+def schedule_count(opt_state) -> jax.Array | None:
+    """The step count the optimizer's own learning-rate schedule reads: the ``count`` of the
+    first ``optax.scale_by_schedule`` state (``optax.adam(schedule)`` ...) or
+    ``inject_hyperparams`` state in ``opt_state``; a skipped step does not advance it, nor does
+    a micro-step of ``optax.MultiSteps``. None when ``opt_state`` holds neither."""
+    nodes = jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, _SCHEDULE_STATES))
+    for node in nodes:
+        if isinstance(node, _SCHEDULE_STATES):
+            return jnp.asarray(node.count, jnp.int32)
+    return None
+
+
+def skipped_of(opt_state) -> jax.Array:
+    """Steps a ``guard`` state has skipped so far (0 for any other state)."""
+    if isinstance(opt_state, GuardState):
+        return opt_state.skip.skipped
+    return jnp.zeros([], jnp.int32)
 
 
 def skip_streak(opt_state) -> jax.Array:

@@ -385,7 +385,14 @@ def train_step(
     blocks = [*probes, *(ProbeBlock((n,), v[None]) for n, v in own)]
     # Every probe's statistics in one array, for the detector and the metrics alike.
     probes = det_lib.stack_blocks(state.detector, blocks)
-    lr = None if lr_schedule is None else lr_schedule(state.step)
+    lr = None
+    if lr_schedule is not None:
+        # The count the optimizer's schedule reads: ``state.step`` also counts skipped steps
+        # (and MultiSteps' micro-steps), and drifted ahead of the rate really applied.
+        count = guard_lib.schedule_count(state.opt_state)
+        if count is None:
+            count = state.step - guard_lib.skipped_of(state.opt_state)
+        lr = lr_schedule(count)
     det, risk = det_lib.update(state.detector, probes, cfg, lr=lr)
 
     def decide(nonfinite):
@@ -584,7 +591,10 @@ def make_train_step(
     Args:
       loss_fn: ``loss_fn(model, batch) -> scalar``; ``model`` is the ``nnx.Module``.
       lr_schedule: the optimizer's schedule ``step -> lr``, for the detector's cool-down after a
-        learning-rate jump (optional).
+        learning-rate jump (optional). It is called with the count the optimizer's own schedule
+        reads (``nan2safe.optax.schedule_count``: skipped steps and ``optax.MultiSteps``
+        micro-steps do not advance it), or, for an optimizer without a schedule state, the
+        steps the guard did not skip.
       jit: compile the step (default); False runs it eagerly (for debugging).
       donate: donate the old state's buffers to the new one.
       mesh: a ``jax.sharding.Mesh``; alone it means ``nan2safe.sharding.data_parallel(mesh)``.

@@ -153,7 +153,8 @@ class Trainer:
       cfg: thresholds (``Config()`` by default).
       workdir: run directory: ``checkpoints/``, ``events.jsonl``, ``metrics.jsonl``,
         ``incidents/``. Created when missing; resumed from when it holds checkpoints.
-      lr_schedule: the optimizer's schedule, for the detector's cool-down (optional).
+      lr_schedule: the optimizer's schedule, for the detector's cool-down (optional; see
+        ``make_train_step`` for the count it is called with).
       factory: ``"module:function"`` returning ``(model, tx, loss_fn, cfg)``; recorded so that
         ``nan2safe locate WORKDIR --step N`` can rebuild the step offline.
       resume: resume from the newest good checkpoint in ``workdir`` (default True).

@@ -296,3 +296,28 @@ def test_geared_clip_takes_a_float64_norm_under_x64():
         out, _ = tx.update(g, tx.init(g), grad_norm=norm, grad_unscale=jnp.float32(1.0))
     assert out["w"].dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(out["w"]), [0.6, 0.8], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda g: optax.chain(g, optax.identity()),
+        lambda g: optax.apply_if_finite(g, 3),
+        lambda g: optax.MultiSteps(g, 2),
+        lambda g: n2s_optax.guard(g),
+    ],
+    ids=["chain", "apply_if_finite", "MultiSteps", "guard"],
+)
+def test_a_guard_nested_inside_another_wrapper_is_refused(wrap):
+    """A guard inside ``optax.chain`` (or ``apply_if_finite`` ...) gets a second guard around
+    it, whose ``grad_unscale`` reaches the inner one through the chain's extra arguments: the
+    gradients were unscaled twice (SGD moved parameters 1/32768 of the way, silently). Refused
+    with the fix; the guard outermost, around the same wrappers, is the supported form."""
+    params = {"w": jnp.ones((3,))}
+    with pytest.raises(ValueError, match="tx: .*Put the guard outermost"):
+        n2s_optax.guard(wrap(n2s_optax.guard(optax.sgd(0.1)))).init(params)
+    outer = n2s_optax.guard(optax.chain(optax.identity(), optax.sgd(0.1)), Config(clip_norm=None))
+    state = outer.init(params)
+    g, gs = {"w": jnp.full((3,), 2.0)}, GearState.create({})
+    upd, _ = outer.update(g, state, params, gear=gs, grad_unscale=0.5, grad_norm=3**0.5)
+    np.testing.assert_allclose(np.asarray(upd["w"]), -0.1 * np.ones(3), rtol=1e-6)

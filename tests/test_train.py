@@ -383,3 +383,29 @@ def test_metrics_probes_are_one_array_row_per_probe_and_scanned_layers_stay_one_
     )
     shapes = [v.aval.shape for v in stack.invars[1:]]
     assert shapes.count((3, NUM_STATS)) >= 5 and (1, NUM_STATS) in shapes
+
+
+@pytest.mark.parametrize("form", ["schedule", "inject_hyperparams", "MultiSteps", "constant"])
+def test_the_detector_reads_the_rate_the_optimizer_applies_after_skipped_steps(form):
+    """``lr_schedule`` is called with the count the optimizer's schedule reads: two skipped
+    steps (gradients that overflow) leave it at 0, so the third step's rate is ``sched(0)``, not
+    ``sched(2)`` (the rate the detector was told drifted ahead of the optimizer's); under
+    ``MultiSteps(2)`` it advances once per two micro-steps."""
+    sched = lambda n: 0.01 * (1.0 + jnp.asarray(n, jnp.float32))  # noqa: E731
+    tx = {
+        "schedule": optax.adam(sched),
+        "inject_hyperparams": optax.inject_hyperparams(optax.adam)(learning_rate=sched),
+        "MultiSteps": optax.MultiSteps(optax.adam(sched), 2),
+        "constant": optax.adam(0.01),
+    }[form]
+    state = TrainState.create(Net(rngs=nnx.Rngs(0)), tx)
+    # a finite batch whose third item makes the gradients overflow (not a data fault)
+    scaled = lambda model, b: loss_fn(model, (b[0], b[1])) * b[2]  # noqa: E731
+    step = make_train_step(scaled, lr_schedule=sched, jit=False)
+    x, y = data(5)
+    for i in range(5):
+        state, m = step(state, (x[i], y[i], jnp.float32(3e38 if i < 2 else 1.0)))
+        assert bool(m["finite"]) == (i >= 2)
+    # three applied steps: counts 0, 1, 2 (MultiSteps: 0, 0, 1) when the fifth step ran
+    want = {"MultiSteps": sched(1)}.get(form, sched(2))
+    np.testing.assert_allclose(float(state.detector.last_lr), float(want), rtol=1e-6)
