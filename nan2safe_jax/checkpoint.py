@@ -251,6 +251,18 @@ class Checkpointer:
         self._manager.reload()
         return sorted(self._manager.all_steps())
 
+    def unfinished(self) -> list[int]:
+        """Steps of saves that never finished (orbax's ``N.orbax-checkpoint-tmp*`` folders: the
+        run, or one of its processes, ended while a background save was being written)."""
+        if not self.directory.is_dir():
+            return []
+        out = set()
+        for p in self.directory.iterdir():
+            head, sep, _ = p.name.partition(".orbax-checkpoint-tmp")
+            if sep and head.isdigit() and int(head) not in self._manager.all_steps():
+                out.add(int(head))
+        return sorted(out)
+
     def save(self, step: int, state, *, finite: bool | None = None) -> bool:
         """Saves ``state`` as ``step`` unless it is not finite.
 

@@ -290,6 +290,55 @@ def check_agreement(digests: Sequence[int], what: str) -> None:
         )
 
 
+def agree_fields(record: dict, what: str) -> None:
+    """Checks that every process of the run holds the same ``record`` (e.g. the ``Config``),
+    field by field.
+
+    Processes given different settings (a ``checkpoint_every`` of 5 here, 7 there) take their
+    host decisions at different steps and each waits in a collective the other skips: both
+    hang, silently. One all-gather of one digest per field; free with one process.
+
+    Args:
+      record: field name -> JSON-serializable value.
+      what: names the record in the error.
+
+    Raises:
+      ValueError: names the fields that differ and the processes that hold another value
+        than process 0.
+    """
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    names = sorted(record)
+    mine = np.asarray([_digest(record[n]) for n in names], np.int64)
+    table = multihost_utils.process_allgather(mine)
+    check_field_agreement(np.asarray(table).reshape(-1, len(names)).tolist(), names, what)
+
+
+def check_field_agreement(table: Sequence[Sequence[int]], names: Sequence[str], what: str):
+    """Raises ValueError naming the fields whose digest differs from process 0's, with the
+    processes holding another value.
+
+    Args:
+      table: per process, one digest per field of ``names`` (what ``agree_fields`` gathers).
+      names: the fields, in ``table``'s column order.
+      what: names the record in the error.
+    """
+    differ = {
+        name: [i for i, row in enumerate(table) if row[j] != table[0][j]]
+        for j, name in enumerate(names)
+    }
+    differ = {k: v for k, v in differ.items() if v}
+    if differ:
+        said = "; ".join(f"{k} (processes {v})" for k, v in differ.items())
+        raise ValueError(
+            f"{what} differs between the processes of the run: {said} hold another value than "
+            "process 0. Give every process the same settings (each would otherwise wait, at a "
+            "different step, in collectives the others skip)"
+        )
+
+
 def log_dir(workdir):
     """Where this process writes its event and metric logs.
 

@@ -36,7 +36,7 @@ from nan2safe_jax.gear import Gear
 from nan2safe_jax.runlog import EventLog
 from nan2safe_jax.spikes import Spike, SpikeWatch
 from nan2safe_jax.train import TrainState, make_train_step
-from nan2safe_jax.workdir import WorkdirLock, check_workdir
+from nan2safe_jax.workdir import WorkdirLock, check_shared, check_workdir
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +204,10 @@ class Trainer:
         if not isinstance(self.cfg, Config):
             raise ValueError(f"cfg must be a nan2safe.Config, got {type(self.cfg).__name__}")
         self.workdir = check_workdir(workdir)
+        # A run of several processes: one shared workdir and one Config, or each process would
+        # wait for the others at a different step (a silent hang).
+        check_shared(self.workdir)
+        sharding_lib.agree_fields(dataclasses.asdict(self.cfg), "the Trainer's Config")
         self.compile_cache = _compile_cache(compile_cache, self.workdir)
         self.loss_fn = loss_fn
         self.progress = progress
@@ -293,6 +297,15 @@ class Trainer:
         for w in caught:
             self.log.append("error", self.step, detail=str(w.message))
             warnings.warn(str(w.message), stacklevel=3)
+        lost = [s for s in self.checkpoints.unfinished() if found is None or s > found[1]]
+        if lost:
+            at = "step 0" if found is None else f"checkpoint {found[1]}"
+            detail = (
+                f"{len(lost)} checkpoint save(s) never finished (steps {lost}: the run, or one "
+                f"of its processes, ended while they were written); resuming from {at}"
+            )
+            self.log.append("error", self.step if found is None else int(found[1]), detail=detail)
+            warnings.warn(detail, stacklevel=3)
         if found is None:
             return
         self.state, step = found

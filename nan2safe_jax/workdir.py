@@ -59,6 +59,56 @@ def check_workdir(workdir) -> Path:
     return path
 
 
+def check_shared(workdir: Path) -> None:
+    """In a run of several processes, checks that every process sees the same ``workdir``.
+
+    The processes of a run save one checkpoint together (each writes its shards and orbax
+    commits once all are written): a workdir on disks local to each machine left every
+    process waiting for the others' files at the first checkpoint, silently. Each process
+    writes a marker in a folder whose name process 0 chose, and reads the others' back.
+    Free with one process.
+
+    Raises:
+      ValueError: some process does not see another's marker (names them).
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    n, me = jax.process_count(), jax.process_index()
+    token = int(multihost_utils.broadcast_one_to_all(np.asarray(uuid.uuid4().int % 2**31)))
+    folder = workdir / f".nan2safe_shared.{token}"
+    folder.mkdir(exist_ok=True)
+    (folder / str(me)).write_text("")
+    multihost_utils.sync_global_devices("nan2safe: shared workdir markers written")
+    seen = [(folder / str(i)).exists() for i in range(n)]
+    table = multihost_utils.process_allgather(np.asarray(seen, np.int32))
+    (folder / str(me)).unlink(missing_ok=True)
+    multihost_utils.sync_global_devices("nan2safe: shared workdir markers read")
+    try:  # by whichever process comes first (each, when the folders are not shared)
+        folder.rmdir()
+    except OSError:
+        pass
+    check_shared_table(np.asarray(table).reshape(n, n).astype(bool).tolist(), workdir)
+
+
+def check_shared_table(seen, workdir) -> None:
+    """Raises ValueError when a process did not see another's marker (``seen[i][j]``: process
+    ``i`` saw process ``j``'s; what ``check_shared`` gathers)."""
+    blind = {i: [j for j, ok in enumerate(row) if not ok] for i, row in enumerate(seen)}
+    blind = {i: js for i, js in blind.items() if js}
+    if blind:
+        said = "; ".join(f"process {i} does not see processes {js}" for i, js in blind.items())
+        raise ValueError(
+            f"workdir {str(workdir)!r} is not one folder shared by the run's processes ({said}). "
+            "They save each checkpoint together: give every process the same path on a shared "
+            "filesystem"
+        )
+
+
 class WorkdirLock:
     """An exclusive hold on ``folder`` (see the module docstring).
 

@@ -23,6 +23,7 @@ Writes ``OUT/<mode>_<process>.json``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -44,7 +45,7 @@ def _rules(nan2safe, mode: str):
     if mode in ("fsdp", "resume", "kill0", "kill1"):
         mesh = sh.make_mesh((1, 4), ("data", "fsdp"))
         return sh.fsdp(mesh, data_axis=("data", "fsdp"), min_size=64)
-    n = 4 if mode == "dp" else 2
+    n = 2 if mode == "single" else 4
     return sh.data_parallel(sh.make_mesh((n,), ("data",)))
 
 
@@ -93,8 +94,20 @@ def main(mode: str, out: str, port: str | None = None, pid: str | None = None) -
     rules = _rules(nan2safe, mode)
     model, tx, lf, cfg = make_fragile()
     workdir = out / ("run_dp" if mode == "dp" else "run")
-    tr = nan2safe.Trainer(model, tx, lf, cfg, workdir, rules=rules)
     me, procs = jax.process_index(), jax.process_count()
+    if mode in ("cfgmix", "localdir"):  # refused at once, on every process, instead of a hang
+        if mode == "cfgmix" and me == 1:
+            cfg = dataclasses.replace(cfg, checkpoint_every=cfg.checkpoint_every + 2)
+        if mode == "localdir":
+            workdir = out / f"run_local_{me}"
+        try:
+            nan2safe.Trainer(model, tx, lf, cfg, workdir, rules=rules).close()
+            error = None
+        except ValueError as err:
+            error = str(err)
+        (out / f"{mode}_{me}.json").write_text(json.dumps({"error": error}))
+        return 0
+    tr = nan2safe.Trainer(model, tx, lf, cfg, workdir, rules=rules)
     res: dict = {"process": me, "processes": procs, "devices": jax.device_count()}
     res["local_devices"] = jax.local_device_count()
     res["resumed_from"] = [e["from_step"] for e in tr.events if e["type"] == "resume"]

@@ -176,6 +176,22 @@ def test_a_killed_process_stops_the_other_with_a_clear_error(tmp_path, victim):
     assert not (tmp_path / f"kill{victim}_{survivor}.json").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["cfgmix", "localdir"])
+def test_a_config_or_workdir_that_differs_between_processes_is_refused(tmp_path, mode):
+    """Each hung silently at the first checkpoint (a checkpoint_every of 5 on one process and 7
+    on the other; a workdir on disks local to each process): now both processes raise at
+    once, naming the field or the processes."""
+    res = _ok(mode, tmp_path)
+    for r in res:
+        assert r["error"] is not None
+        if mode == "cfgmix":
+            assert "checkpoint_every (processes [1])" in r["error"], r
+        else:
+            assert "is not one folder shared" in r["error"], r
+    assert not list(tmp_path.glob("run*/.nan2safe_shared.*"))  # the markers are cleaned up
+
+
 # ----------------------------------------------------------------- fast, one process
 
 
@@ -245,3 +261,22 @@ def test_log_dir_and_host_arrays_are_plain_in_one_process(tmp_path):
     tree = {"a": jnp.ones(3)}
     assert sharding.host_arrays(tree) is tree
     np.testing.assert_array_equal(tree["a"], np.ones(3))
+
+
+def test_fields_that_differ_between_processes_are_named():
+    sharding.check_field_agreement([[1, 2, 3], [1, 2, 3]], ["a", "b", "c"], "the Config")
+    with pytest.raises(ValueError, match=r"the Config differs .*b \(processes \[1, 2\]\)"):
+        sharding.check_field_agreement(
+            [[1, 2, 3], [1, 5, 3], [1, 6, 3]], ["a", "b", "c"], "the Config"
+        )
+    sharding.agree_fields({"a": 1}, "the Config")  # one process: nothing to compare
+
+
+def test_a_workdir_some_process_cannot_see_is_named(tmp_path):
+    from nan2safe_jax.workdir import check_shared, check_shared_table
+
+    check_shared_table([[True, True], [True, True]], tmp_path)
+    with pytest.raises(ValueError, match=r"process 1 does not see processes \[0\]"):
+        check_shared_table([[True, False], [False, True]], tmp_path)
+    check_shared(tmp_path)  # one process: nothing to check, nothing written
+    assert not list(tmp_path.iterdir())

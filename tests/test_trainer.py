@@ -77,10 +77,17 @@ def test_one_trainer_per_workdir_and_a_changed_model_never_overwrites_the_run(tm
     second.fit(_batches(1), steps=1)
     second.close()
 
+    # A save that a killed run left half-written (orbax's tmp folder) is said, not passed over.
+    (run / "checkpoints" / "10.orbax-checkpoint-tmp-1234").mkdir()
     looser = Config(checkpoint_every=5, safe_max_steps=3, recovery_window=9, min_history=8)
-    with pytest.warns(UserWarning, match="changed config: recovery_window 8 -> 9"):
+    with pytest.warns(UserWarning) as said:
         with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, looser, run) as third:
             assert third.step == 5  # the workdir was let go when the refused trainer closed
+    said = [str(w.message) for w in said]
+    assert any("changed config: recovery_window 8 -> 9" in w for w in said), said
+    assert any("never finished (steps [10]" in w and "from checkpoint 5" in w for w in said)
+    (lost,) = [e for e in read_events(run) if "never finished" in e.get("detail", "")]
+    assert lost["type"] == "error" and lost["step"] == 5
     (resume,) = [e for e in read_events(run) if e["type"] == "resume"][-1:]
     assert resume["config_changed"] == {"recovery_window": [8, 9]}
     assert json.loads((run / "run.json").read_text())["config"]["recovery_window"] == 9
