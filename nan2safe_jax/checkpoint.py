@@ -80,12 +80,13 @@ def _empty(leaf) -> bool:
 def _to_saveable(state) -> dict:
     """The state's leaves by flat index, keys as raw key data; zero-size leaves are left out
     (``_from_saved`` takes them from the template)."""
-    leaves = jax.tree_util.tree_leaves(state)
-    out = {}
-    for i, leaf in enumerate(leaves):
-        if not _empty(leaf):
-            out[f"{i:05d}"] = jax.random.key_data(leaf) if _is_key(leaf) else leaf
-    return out
+    kept = [leaf for leaf in jax.tree_util.tree_leaves(state) if not _empty(leaf)]
+    # Numbered among the kept leaves only: a siteless model's checkpoints from before
+    # ``gear.SiteValues`` (empty per-site dicts: no leaves at all) have these very keys.
+    return {
+        f"{i:05d}": jax.random.key_data(leaf) if _is_key(leaf) else leaf
+        for i, leaf in enumerate(kept)
+    }
 
 
 def _from_saved(saved: dict, template):
@@ -94,10 +95,12 @@ def _from_saved(saved: dict, template):
     if len(saved) != kept:
         raise ValueError(f"checkpoint has {len(saved)} arrays, the state has {kept}")
     new = []
-    for i, like in enumerate(leaves):
+    i = -1
+    for like in leaves:
         if _empty(like):
             new.append(like)
             continue
+        i += 1
         value = saved[f"{i:05d}"]
         if _is_key(like):
             value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(like))

@@ -162,11 +162,12 @@ def distributed_options(
 
     The timeouts are what bounds a run that loses a process. A process blocked in a collective
     with a dead peer gets an error from gloo as soon as the peer's socket closes; one that is
-    not (computing, writing a checkpoint, or waiting on a peer that hangs without dying) is
-    stopped by the coordination service once the peer has missed ``heartbeat_timeout_s`` of
-    heartbeats, and ``jax.distributed.shutdown`` at exit waits at most
-    ``3 * heartbeat_timeout_s`` for the others. JAX's defaults (100 s and 300 s) would leave a
-    survivor waiting minutes.
+    not (computing, writing a checkpoint) is stopped by the coordination service once the dead
+    peer has missed ``heartbeat_timeout_s`` of heartbeats, and ``jax.distributed.shutdown`` at
+    exit waits at most ``3 * heartbeat_timeout_s`` for the others. JAX's defaults (100 s and
+    300 s) would leave a survivor waiting minutes. A peer that hangs without dying keeps its
+    heartbeats going, so none of this stops the others: the ``Trainer``'s watchdog does
+    (``Trainer(hang_timeout_s=)``, ``nan2safe_jax.watchdog``).
 
     Args:
       coordinator: ``"host:port"`` of process 0, or None for a single process.
@@ -311,9 +312,25 @@ def agree_fields(record: dict, what: str) -> None:
     from jax.experimental import multihost_utils
 
     names = sorted(record)
-    mine = np.asarray([_digest(record[n]) for n in names], np.int64)
+    mine = np.asarray([_digest(_canonical(record[n])) for n in names], np.int64)
     table = multihost_utils.process_allgather(mine)
     check_field_agreement(np.asarray(table).reshape(-1, len(names)).tolist(), names, what)
+
+
+def _canonical(value):
+    """``value`` with equal numbers spelled alike (``5`` and ``5.0``, NumPy scalars), so that
+    settings that compare equal have one digest."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    return value
 
 
 def check_field_agreement(table: Sequence[Sequence[int]], names: Sequence[str], what: str):

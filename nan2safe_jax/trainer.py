@@ -15,6 +15,7 @@ import dataclasses
 import importlib
 import json
 import logging
+import math
 import os
 import pickle
 import time
@@ -30,6 +31,7 @@ import numpy as np
 from nan2safe_jax import compile_cache as compile_cache_lib
 from nan2safe_jax import incidents, programs
 from nan2safe_jax import sharding as sharding_lib
+from nan2safe_jax import watchdog as watchdog_lib
 from nan2safe_jax.checkpoint import Checkpointer
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear
@@ -42,6 +44,9 @@ log = logging.getLogger(__name__)
 
 _LOGGED = ("loss", "risk", "loss_scale", "grad_norm", "nonfinite")
 _END = object()  # the batch iterator ran out
+# A run of several processes ends a process in which no step finished for this long (see
+# ``Trainer(hang_timeout_s=)``): longer than any compile or tier-2 replay of a real model.
+HANG_TIMEOUT_S = 1800.0
 
 
 class NanIncidentError(RuntimeError):
@@ -174,6 +179,12 @@ class Trainer:
         ``workdir/compile_cache``, a directory, or False to leave JAX's cache as it is. A cache
         the process already uses (``JAX_COMPILATION_CACHE_DIR``) is kept
         (``nan2safe_jax.compile_cache``). ``trainer.compile_cache`` is the directory in use.
+      hang_timeout_s: while ``fit`` runs, a process in which no step finishes for this many
+        seconds logs an ``error`` event and exits with code 124 (``nan2safe_jax.watchdog``): a
+        peer that hangs without dying keeps its heartbeats going, and the others would wait
+        in its collective forever. ``"auto"`` (the default): ``HANG_TIMEOUT_S`` (30 minutes,
+        compiles and tier 2 included) in a run of several processes, none in one process;
+        None: never.
 
     Raises:
       ValueError: bad workdir, config or compile_cache, or another process's trainer holds
@@ -199,10 +210,17 @@ class Trainer:
         rules: sharding_lib.Rules | None = None,
         has_aux: bool = False,
         compile_cache: bool | str | os.PathLike = True,
+        hang_timeout_s: float | None | str = "auto",
     ):
         self.cfg = Config() if cfg is None else cfg
         if not isinstance(self.cfg, Config):
             raise ValueError(f"cfg must be a nan2safe.Config, got {type(self.cfg).__name__}")
+        number = isinstance(hang_timeout_s, (int, float)) and not isinstance(hang_timeout_s, bool)
+        if not (hang_timeout_s in (None, "auto") or number and 0 < hang_timeout_s < math.inf):
+            raise ValueError(
+                f"hang_timeout_s must be a number of seconds > 0, 'auto' or None, got "
+                f"{hang_timeout_s!r}"
+            )
         self.workdir = check_workdir(workdir)
         # A run of several processes: one shared workdir and one Config, or each process would
         # wait for the others at a different step (a silent hang).
@@ -222,8 +240,14 @@ class Trainer:
         # process's trainer holding it raises here; one of this process is closed at the end,
         # once this one has resumed (``nan2safe_jax.workdir``).
         self._lock = WorkdirLock(sharding_lib.log_dir(self.workdir))
+        self._watchdog = None
         try:
             self._open(factory, has_aux, resume)
+            timeout = hang_timeout_s
+            if timeout == "auto":
+                timeout = HANG_TIMEOUT_S if jax.process_count() > 1 else None
+            if timeout is not None:
+                self._watchdog = watchdog_lib.Watchdog(timeout, self._on_hang)
         except BaseException:
             self.close()
             raise
@@ -269,6 +293,21 @@ class Trainer:
         lock = getattr(self, "_lock", None)
         if lock is not None:
             lock.release()
+        dog = getattr(self, "_watchdog", None)
+        if dog is not None:
+            dog.stop()
+
+    def _on_hang(self, waited_s: float) -> None:
+        """The watchdog's verdict: no step finished in ``hang_timeout_s``. Logged, then the
+        process ends (``watchdog.exit_on_hang``): its main thread is blocked in a collective."""
+        self.log.append(
+            "error",
+            self.step,
+            detail=f"no training step finished in {waited_s:.0f} s (hang_timeout_s): a process "
+            "of the run is most likely stuck; this process stops so the run can be restarted",
+        )
+        self.log.close()
+        watchdog_lib.exit_on_hang(waited_s)
 
     @property
     def closed(self) -> bool:
@@ -363,6 +402,8 @@ class Trainer:
         discard = 0  # new batches still to skip after a loss-spike rollback
         drawn = 0
         inflight: _Step | None = None
+        if self._watchdog is not None:
+            self._watchdog.arm()
         try:
             while True:
                 if queued:
@@ -381,6 +422,8 @@ class Trainer:
                 running = None if batch is _END else self._dispatch(batch, replayed)
                 if inflight is not None:
                     restart = self._finish(inflight, history, bar)
+                    if self._watchdog is not None:
+                        self._watchdog.beat()
                     if restart is not None:
                         # The state was replaced: the step just dispatched ran on the old one.
                         # Drop it; run the replayed batches, then this one again.
@@ -403,6 +446,8 @@ class Trainer:
             self.log.append("error", self.step, detail=str(lost))
             raise lost from err
         finally:
+            if self._watchdog is not None:
+                self._watchdog.disarm()
             if bar:
                 bar.close()
             self.checkpoints.wait()

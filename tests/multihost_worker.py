@@ -28,6 +28,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,6 +39,7 @@ NAN_STEP, CONSTANT_STEP = 3, 6
 NAN_ROW, CONSTANT_ROW = 2, 4  # local rows of process 1: global rows 18 and 20
 KILL_STEP = 4
 HEARTBEAT_S = 5
+HANG_TIMEOUT_S = 60  # longer than the first step's compile on a loaded 2-core machine
 
 
 def _rules(nan2safe, mode: str):
@@ -107,7 +109,10 @@ def main(mode: str, out: str, port: str | None = None, pid: str | None = None) -
             error = str(err)
         (out / f"{mode}_{me}.json").write_text(json.dumps({"error": error}))
         return 0
-    tr = nan2safe.Trainer(model, tx, lf, cfg, workdir, rules=rules)
+    # "hang": process 1's loader hangs (alive: its heartbeats go on); each watchdog ends its
+    # process after HANG_TIMEOUT_S without a finished step (exit code 124).
+    timeout = HANG_TIMEOUT_S if mode == "hang" else "auto"
+    tr = nan2safe.Trainer(model, tx, lf, cfg, workdir, rules=rules, hang_timeout_s=timeout)
     res: dict = {"process": me, "processes": procs, "devices": jax.device_count()}
     res["local_devices"] = jax.local_device_count()
     res["resumed_from"] = [e["from_step"] for e in tr.events if e["type"] == "resume"]
@@ -130,6 +135,8 @@ def main(mode: str, out: str, port: str | None = None, pid: str | None = None) -
             xb, yb = x[i, rows].copy(), y[i, rows]
             if mode == f"kill{me}" and i == KILL_STEP:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if mode == "hang" and me == 1 and i == KILL_STEP:
+                time.sleep(10_000)
             if mode in ("dp", "fsdp") and me == 1 and i == NAN_STEP:
                 xb[NAN_ROW] = np.nan
             if mode in ("dp", "fsdp") and me == 1 and i == CONSTANT_STEP:

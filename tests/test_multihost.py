@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from nan2safe_jax import sharding
@@ -177,6 +178,19 @@ def test_a_killed_process_stops_the_other_with_a_clear_error(tmp_path, victim):
 
 
 @pytest.mark.slow
+def test_a_process_that_hangs_without_dying_ends_the_run_after_the_timeout(tmp_path):
+    """Process 1's loader hangs at step 4, alive: no heartbeat is missed, so JAX stops nothing.
+    Each process's watchdog ends it after ``HANG_TIMEOUT_S`` without a finished step (exit
+    code 124), with an ``error`` event saying why, instead of waiting forever."""
+    results = _launch("hang", tmp_path)
+    for i, (rc, text) in enumerate(results):
+        assert rc == 124, (i, text[-4000:])
+        assert "no training step finished" in text, text[-4000:]
+    events = (tmp_path / "run" / "events.jsonl").read_text()
+    assert "no training step finished" in events and "hang_timeout_s" in events
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["cfgmix", "localdir"])
 def test_a_config_or_workdir_that_differs_between_processes_is_refused(tmp_path, mode):
     """Each hung silently at the first checkpoint (a checkpoint_every of 5 on one process and 7
@@ -270,6 +284,11 @@ def test_fields_that_differ_between_processes_are_named():
             [[1, 2, 3], [1, 5, 3], [1, 6, 3]], ["a", "b", "c"], "the Config"
         )
     sharding.agree_fields({"a": 1}, "the Config")  # one process: nothing to compare
+    # settings that compare equal have one digest (a review found 5 and 5.0 refused)
+    same = [{"z": 5, "t": (1, 2)}, {"z": 5.0, "t": [1.0, 2]}, {"z": np.float32(5), "t": (1, 2)}]
+    digests = [sharding._digest(sharding._canonical(r)) for r in same]
+    assert len(set(digests)) == 1
+    assert sharding._digest(sharding._canonical({"z": 5.5})) != digests[0]
 
 
 def test_a_workdir_some_process_cannot_see_is_named(tmp_path):

@@ -132,25 +132,45 @@ def test_while_condition_root_and_earlier_step_wins(cond_at, body_at, want):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
 def test_a_vmapped_while_with_a_batched_predicate_is_entered(dtype):
-    """Per-example trip counts: the batched loop's predicate is ``bool[B]`` (JAX runs while any
-    holds); the overflow is the body's ``mul`` at iteration 1 (fp16) or 3 (f32)."""
-    k = jnp.asarray(1e10 if dtype == jnp.float32 else 300.0, dtype)
+    """Per-example trip counts: the batched loop's predicate is ``bool[B]``; JAX runs the body
+    while any holds and keeps a finished example's carry. Example 0 stops after one iteration;
+    its body still runs and overflows at iteration 1, in a lane JAX drops: no root. The root
+    is example 1's overflow, at iteration 3 (f32) or 4 (fp16)."""
+    k = jnp.asarray(1e10 if dtype == jnp.float32 else 10.0, dtype)
 
-    def f(v):
+    def f(v, start):
         def body(c):
             return c[0] + 1.0, c[1], c[2] * k  # FAULT:vmap_body
 
-        init = (jnp.zeros((), dtype), v, jnp.ones((), dtype))
+        init = (jnp.zeros((), dtype), v, start)
         return lax.while_loop(lambda c: c[0] < c[1], body, init)[2]
 
     g = jax.vmap(f)
     x = jnp.array([1.0, 5.0], dtype)
-    ref = np.asarray(g(x))
+    start = jnp.array([1e25 if dtype == jnp.float32 else 1e3, 1.0], dtype)
+    ref = np.asarray(g(x, start))
     assert np.isfinite(ref[0]) and np.isinf(ref[1])
-    r = replay.locate(jax.make_jaxpr(g)(x), (x,))
+    r = replay.locate(jax.make_jaxpr(g)(x, start), (x, start))
     assert r is not None and r.primitive == "mul" and r.diagnosis == "overflow", r
-    assert ("iter", 3 if dtype == jnp.float32 else 1) in r.eqn_path, r.eqn_path
+    assert ("iter", 3 if dtype == jnp.float32 else 4) in r.eqn_path, r.eqn_path
     assert _at(r.source, "vmap_body"), r.source
+
+
+def test_a_nan_a_vmapped_while_makes_only_in_a_finished_lane_is_no_root():
+    """The review's case: example 0's body, run after it finished, takes ``sqrt`` of -1; JAX
+    drops that lane, so the fault is the ``log`` after the loop (as without ``vmap``)."""
+
+    def f(v):
+        def body(c):
+            return c[0] + 1.0, c[1] + jnp.sqrt(v - c[0] - 1.0)
+
+        acc = lax.while_loop(lambda c: c[0] < v, body, (jnp.zeros(()), jnp.zeros(())))[1]
+        return jnp.log(acc - 100.0)  # FAULT:after_loop
+
+    x = jnp.array([1.0, 5.0])
+    r = replay.locate(jax.make_jaxpr(jax.vmap(f))(x), (x,))
+    assert r is not None and r.primitive == "log", r
+    assert _at(r.source, "after_loop"), r.source
 
 
 # --------------------------------------------------------------------------------------------

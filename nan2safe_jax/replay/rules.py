@@ -195,43 +195,69 @@ def _while_split(eqn: Any, invals: list) -> tuple[dict, list, list, list]:
     return wp, invals[:cn], invals[cn : cn + bn], init
 
 
+def _keep_finished(pred: Any, new: list, old: list) -> list:
+    """The carry after an iteration of a loop whose predicate ``pred`` was evaluated on ``old``.
+
+    A vmapped loop's predicate is batched (``bool[B]``, one per example; every carry is batched
+    along its leading axis then): JAX runs the body while any holds and, as its lowering does,
+    keeps a finished example's carry as it was. A scalar predicate keeps nothing.
+    """
+    if jnp.ndim(pred) == 0:
+        return list(new)
+
+    def one(n, o):
+        p = jnp.reshape(pred, jnp.shape(pred) + (1,) * (jnp.ndim(n) - jnp.ndim(pred)))
+        return jnp.where(p, n, o)
+
+    return [one(n, o) for n, o in zip(new, old, strict=True)]
+
+
 def _while_flags(eqn: Any, invals: list, ns: Any) -> tuple[list, Any]:
     """The loop with its body *and* its condition instrumented: condition evaluation ``t`` is step
     ``2t``, iteration ``t`` step ``2t + 1``. The condition is evaluated inside the body (and once
     before the loop) because a ``while_loop`` condition may return nothing but its predicate
-    (a ``bool[B]`` one under ``vmap``: the loop runs while any is true)."""
+    (a ``bool[B]`` one under ``vmap``: the loop runs while any is true, ``_keep_finished``)."""
     wp, cc, bc, init = _while_split(eqn, invals)
 
     def cond_eval(c):
         sub = it.Ctx("flags")
         pred = it.walk(wp["cond_jaxpr"], wp["cond_consts"], [*cc, *c], sub, ns)[0]
-        # A vmapped loop's predicate is batched (one per example); JAX runs the loop while any
-        # holds, and its body keeps a finished example's carry with a select.
-        return jnp.any(pred), sub.any_flags()
+        return pred, sub.any_flags()
 
     def body(s):
-        _, i, first, c = s
+        pred, i, first, c = s
         sub = it.Ctx("flags")
-        c = it.walk(wp["body_jaxpr"], wp["body_consts"], [*bc, *c], sub, ns)
+        new = it.walk(wp["body_jaxpr"], wp["body_consts"], [*bc, *c], sub, ns)
+        if jnp.ndim(pred):
+            # The select in the same walk: a value made only in a finished example's lane, which
+            # the select drops, is masked (no root), as it never reaches a result in JAX.
+            keep = jax.make_jaxpr(_keep_finished)(pred, new, c)
+            new = it.walk(keep.jaxpr, keep.consts, [pred, *new, *c], sub, ns)
+        c = list(new)
         first = it.first_step(first, sub.any_flags(), 2 * i + 1)
         pred, hit = cond_eval(c)
         return pred, i + 1, it.first_step(first, hit, 2 * i + 2), c
 
     pred, hit = cond_eval(init)
     start = (pred, jnp.asarray(0, jnp.int32), it.first_step(it.no_step(), hit, 0), list(init))
-    _, _, first, c = lax.while_loop(lambda s: s[0], body, start)
+    _, _, first, c = lax.while_loop(lambda s: jnp.any(s[0]), body, start)
     return list(c), first
 
 
 def _while_capture(eqn: Any, invals: list, ns: Any, s: Any) -> list:
     """Condition and body constants and the carry before step ``s`` (after ``s // 2`` iterations:
-    a flagged step implies the condition held for every earlier iteration)."""
+    a flagged step implies the condition held, for some example, at every earlier iteration)."""
     wp, cc, bc, init = _while_split(eqn, invals)
     t = s // 2
+    batched = bool(wp["cond_jaxpr"].outvars[0].aval.shape)
 
     def body(state):
         i, c = state
-        return i + 1, it.walk(wp["body_jaxpr"], wp["body_consts"], [*bc, *c], it.Ctx("plain"), ns)
+        new = it.walk(wp["body_jaxpr"], wp["body_consts"], [*bc, *c], it.Ctx("plain"), ns)
+        if batched:
+            pred = it.walk(wp["cond_jaxpr"], wp["cond_consts"], [*cc, *c], it.Ctx("plain"), ns)
+            new = _keep_finished(pred[0], new, c)
+        return i + 1, list(new)
 
     _, c = lax.while_loop(lambda st: st[0] < t, body, (jnp.asarray(0, jnp.int32), list(init)))
     return [*cc, *bc, *c]
