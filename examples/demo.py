@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import shutil
 import sys
 import time
@@ -47,6 +48,7 @@ from examples.transformer import Transformer, TransformerConfig, lm_loss, set_kn
 from nan2safe_jax import report as report_lib  # noqa: E402
 
 STEPS = 240
+DEFAULT_WORKDIR = _REPO / "runs" / "demo"  # the demo's own folder: always replaced
 SPIKE = 70  # first step of the q·k scale growth
 SPIKE_UP, SPIKE_HOLD, SPIKE_DOWN = 24, 10, 16
 SPIKE_RATE = 1.5
@@ -264,10 +266,21 @@ def _describe(e: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--workdir", type=Path, default=_REPO / "runs" / "demo")
-    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument(
+        "--workdir",
+        type=Path,
+        default=DEFAULT_WORKDIR,
+        help="the nan2safe arm's run folder, replaced when it holds an earlier demo run "
+        "(default: runs/demo in the checkout)",
+    )
+    ap.add_argument("--steps", type=int, default=STEPS, help=f"steps of each arm (default {STEPS})")
     args = ap.parse_args(argv)
     if args.workdir.exists():
+        if args.workdir.resolve() != DEFAULT_WORKDIR.resolve() and not _earlier_demo(args.workdir):
+            ap.error(
+                f"--workdir {str(args.workdir)!r} exists and holds no earlier demo run; the demo "
+                "replaces its folder, so give it a new or empty one"
+            )
         shutil.rmtree(args.workdir)
     data = batches(args.steps)
     print(
@@ -298,6 +311,17 @@ def main(argv=None) -> int:
     print(f"{'wall time (s)':24}{t1 - t0:>16.1f}{t2 - t1:>16.1f}")
     del summary
     return 0 if np.isfinite(n2s_final) else 1
+
+
+def _earlier_demo(workdir: Path) -> bool:
+    """Whether ``workdir`` may be replaced: empty, or the run folder of an earlier demo."""
+    if workdir.is_dir() and not any(workdir.iterdir()):
+        return True
+    try:
+        run = json.loads((workdir / "run.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return run.get("factory") == "examples.demo:factory"
 
 
 def _first_bad(hist):

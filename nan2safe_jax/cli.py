@@ -155,8 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser(
         "demo", help="train the example transformer in fp16 through real faults, two arms"
     )
-    demo.add_argument("--steps", type=int, default=None)
-    demo.add_argument("--workdir", default=None)
+    demo.add_argument("--steps", type=int, default=None, help="steps of each arm (default 240)")
+    demo.add_argument(
+        "--workdir",
+        default=None,
+        help="the nan2safe arm's run folder, replaced when it holds an earlier demo run "
+        "(default: runs/demo in the checkout); another folder that exists is refused",
+    )
     demo.set_defaults(fn=_demo)
 
     loc = sub.add_parser("locate", help="re-run localization offline for a saved incident")

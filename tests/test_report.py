@@ -401,3 +401,25 @@ def test_report_cli_names_what_is_wrong_and_writes_where_told(tmp_path, run_dir,
     printed = capsys.readouterr().out
     assert "steps run" in printed and f"dashboard: {out}" in printed
     assert "dash_tensorboard" in printed or "needs tensorboardX" in printed
+
+
+def test_demo_refuses_a_workdir_that_holds_something_else(tmp_path, capsys):
+    """The demo replaces its folder: one of the user's that holds no earlier demo run is
+    refused, untouched (it was deleted); an empty folder is fine to take."""
+    from nan2safe_jax import cli
+
+    mine = tmp_path / "my_run"
+    mine.mkdir()
+    (mine / "precious.txt").write_text("keep me")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["demo", "--steps", "1", "--workdir", str(mine)])
+    assert exit_.value.code == 2
+    assert "holds no earlier demo run" in capsys.readouterr().err
+    assert (mine / "precious.txt").read_text() == "keep me"
+    from examples import demo
+
+    (tmp_path / "empty").mkdir()
+    assert demo._earlier_demo(tmp_path / "empty")
+    (tmp_path / "old_demo").mkdir()
+    (tmp_path / "old_demo" / "run.json").write_text('{"factory": "examples.demo:factory"}')
+    assert demo._earlier_demo(tmp_path / "old_demo") and not demo._earlier_demo(mine)
