@@ -401,7 +401,7 @@ def test_the_detector_reads_the_rate_the_optimizer_applies_after_skipped_steps(f
     state = TrainState.create(Net(rngs=nnx.Rngs(0)), tx)
     # a finite batch whose third item makes the gradients overflow (not a data fault)
     scaled = lambda model, b: loss_fn(model, (b[0], b[1])) * b[2]  # noqa: E731
-    step = make_train_step(scaled, lr_schedule=sched, jit=False)
+    step = make_train_step(scaled, lr_schedule=sched)
     x, y = data(5)
     for i in range(5):
         state, m = step(state, (x[i], y[i], jnp.float32(3e38 if i < 2 else 1.0)))
