@@ -58,7 +58,9 @@ class Config:
         keeps ``checkpoint_every`` of them, so a rollback to the newest checkpoint can always
         replay every step since it. A value below ``checkpoint_every`` is an error.
       checkpoint_every: steps between checkpoints (trainer).
-      max_incidents: non-finite incidents after which the trainer stops with an error.
+      max_incidents: non-finite incidents after which the trainer stops with an error (located
+        faults, repeats, transients, damage; a batch reported as polluted input is skipped and
+        not counted).
       log_every: steps between metric records in ``metrics.jsonl`` (trainer).
       spike_factor: loss-spike rollback (trainer; off when ``None``, the default): a loss above
         ``spike_factor`` times its running baseline for ``spike_steps`` steps in a row is a

@@ -596,7 +596,9 @@ def make_train_step(
         micro-steps do not advance it), or, for an optimizer without a schedule state, the
         steps the guard did not skip.
       jit: compile the step (default); False runs it eagerly (for debugging).
-      donate: donate the old state's buffers to the new one.
+      donate: donate the old state's buffers to the new one. A state fresh from
+        ``TrainState.create(model, ...)`` shares its arrays with ``model`` (the graph is
+        copied, not the arrays): the first donated step deletes ``model``'s parameters too.
       mesh: a ``jax.sharding.Mesh``; alone it means ``nan2safe.sharding.data_parallel(mesh)``.
       rules: ``nan2safe.sharding.data_parallel(...)`` or ``fsdp(...)``. With a mesh or rules the
         step places the state and the batch on the mesh (a no-op when they already are) and is

@@ -128,6 +128,19 @@ def test_background_compile_makes_the_first_gear_change_compile_nothing(
     assert _program(step) == "general" and int(m["site_gears"]["norm"]) == Gear.SAFE
 
 
+def test_a_closed_trainer_leaves_no_background_compile_running(monkeypatch, tmp_path):
+    """``Trainer.close`` waits for the background compile: one left running after ``close``
+    held gigabytes and slowed the next trainer's steps 2-3x (a notebook's create/fit/close)."""
+    monkeypatch.setenv("NAN2SAFE_BACKGROUND_COMPILE", "1")
+    tr = nan2safe.Trainer(SiteNet(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, Config(), tmp_path)
+    x, y = data(1)
+    tr.fit([(x[0], y[0])], steps=1)
+    futures = [f for made in tr.step_fn.programs for f in made._aot.values()]
+    assert futures  # the general program was compiling in the background
+    tr.close()
+    assert all(f.done() for f in futures)
+
+
 def test_a_fast_only_gear_traces_no_switch_even_sliced_inside_scan_or_an_inner_jit():
     """A ``fast_only_gear`` (here stacked and sliced per layer inside ``scan``, as in an
     ``nnx.scan`` stack, and passed into an inner ``jax.jit``) traces the FAST branch alone; the

@@ -189,16 +189,24 @@ def test_summary_dedupes_rerun_steps_and_counts_what_the_first_run_skipped(tmp_p
         for s, loss in runs:
             log.log_metrics({"step": s, "loss": loss, "time": 10.0 + s, "skipped": loss != loss})
         log.append("safe_enter", 2, site=None, steps=8, scope="global")
-        log.append("rollback", 2, to_step=1)
+        log.append("rollback", 2, to_step=1, cause="repeat")
+        log.append("spike", 3, action="roll back to step 1")
+        log.append("rollback", 3, to_step=1, cause="loss_spike", skipped_batches=8)
     s = R.summary(tmp_path)
     assert (s["steps"], s["records"], s["nonfinite_losses"], s["skipped"]) == (4, 6, 1, 1)
     assert s["final_loss"] == 1.0 and s["safe_sites"] == ["global"]
-    assert (s["rollbacks"], s["resumes"]) == (1, 0)
+    assert (s["rollbacks"], s["resumes"], s["spikes"]) == (2, 0, 1)
+    assert s["rollback_causes"] == {"repeat": 1, "loss_spike": 1}
     from rich.console import Console
 
     console = Console(record=True, width=140)
     R.print_summary(tmp_path, console=console)
-    assert "2 re-run after a rollback)" in console.export_text()
+    text = console.export_text()
+    assert "2 re-run after a rollback)" in text
+    # the rollbacks, their causes and the batches a spike's rollback dropped (a soak run's
+    # report showed none of them)
+    assert "loss spikes" in text
+    assert "2 (loss_spike 1, repeat 1); 8 batches skipped, not trained on" in text
     # A run killed and resumed re-runs the steps after its last checkpoint: not a rollback.
     with R.EventLog(tmp_path / "resumed") as log:
         for s_, loss in [(0, 3.0), (1, 2.0), (1, 2.0), (2, 1.0)]:

@@ -1,5 +1,6 @@
 """Trainer: both tiers end to end, checkpoints, events, bad input, resume after SIGKILL."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -203,11 +204,14 @@ def test_an_fp16_layer_whose_f32_weight_overflows_the_cast_is_located_and_run_in
 
 
 def test_nan_in_the_data_is_reported_as_data(tmp_path, capsys):
-    tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
-    hist = tr.fit(_batches(6, bad={2: "nan"}), steps=6)
+    """Two NaN batches with ``max_incidents=1``: a batch reported as polluted input is skipped
+    and not counted (a soak run's data NaN every 100 steps ended it at the 9th)."""
+    cfg = dataclasses.replace(CFG, max_incidents=1)
+    tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, cfg, tmp_path / "run")
+    hist = tr.fit(_batches(6, bad={2: "nan", 4: "nan"}), steps=6)
     ev = tr.events
     polluted = [e for e in ev if e["type"] == "polluted_input"]
-    assert len(polluted) == 1 and polluted[0]["step"] == 2
+    assert [e["step"] for e in polluted] == [2, 4] and tr.incidents == 0
     assert polluted[0]["leaf"] == "[0]" and polluted[0]["rows"] == [0]
     assert polluted[0]["report"]["diagnosis"] == "polluted input"
     assert not any(e["type"] in ("locate", "downshift", "rollback") for e in ev)

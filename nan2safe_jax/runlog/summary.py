@@ -175,6 +175,11 @@ def _summarize(run: _Run) -> dict[str, Any]:
         "checkpoints": count("checkpoint"),
         "resumes": count("resume"),
         "rollbacks": count("rollback"),
+        "rollback_causes": _tally(e.get("cause") for e in events if e.get("type") == "rollback"),
+        "rollback_skipped_batches": sum(
+            int(e.get("skipped_batches") or 0) for e in events if e.get("type") == "rollback"
+        ),
+        "spikes": count("spike"),
         "transients": count("transient"),
         "polluted_inputs": count("polluted_input"),
         "errors": count("error"),
@@ -182,6 +187,13 @@ def _summarize(run: _Run) -> dict[str, Any]:
         "seconds_per_step": _median_step_seconds(raw),
         "wall_seconds": (max(times) - min(times)) if len(times) > 1 else None,
     }
+
+
+def _tally(keys) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k in keys:
+        out[str(k)] = out.get(str(k), 0) + 1
+    return out
 
 
 def _fmt(x: Any, spec: str = ".4g") -> str:
@@ -230,6 +242,15 @@ def print_summary(workdir: str | os.PathLike, console=None) -> dict[str, Any]:
     t.add_row("checkpoints", str(s["checkpoints"]))
     if s["resumes"]:
         t.add_row("resumes", str(s["resumes"]))
+    if s["spikes"]:
+        t.add_row("loss spikes", str(s["spikes"]))
+    if s["rollbacks"]:
+        causes = ", ".join(f"{k} {v}" for k, v in sorted(s["rollback_causes"].items()))
+        dropped = s["rollback_skipped_batches"]
+        said = f"{s['rollbacks']} ({causes})" + (
+            f"; {dropped} batches skipped, not trained on" if dropped else ""
+        )
+        t.add_row("rollbacks", said)
     extra = (
         ("transients", "transient (not reproduced)"),
         ("polluted_inputs", "polluted inputs"),
