@@ -60,7 +60,7 @@ class Config:
       checkpoint_every: steps between checkpoints (trainer).
       max_incidents: non-finite incidents after which the trainer stops with an error (located
         faults, repeats, transients, damage; a batch reported as polluted input is skipped and
-        not counted).
+        not counted, but more than ``max_incidents`` of them in a row stop the run too).
       log_every: steps between metric records in ``metrics.jsonl`` (trainer).
       spike_factor: loss-spike rollback (trainer; off when ``None``, the default): a loss above
         ``spike_factor`` times its running baseline for ``spike_steps`` steps in a row is a

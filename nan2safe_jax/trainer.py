@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import pickle
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -45,8 +46,10 @@ log = logging.getLogger(__name__)
 _LOGGED = ("loss", "risk", "loss_scale", "grad_norm", "nonfinite")
 _END = object()  # the batch iterator ran out
 # A run of several processes ends a process in which no step finished for this long (see
-# ``Trainer(hang_timeout_s=)``): longer than any compile or tier-2 replay of a real model.
+# ``Trainer(hang_timeout_s=)``): a generous default; the first step's compile counts, and tier
+# 2 and a rollback each start the clock again.
 HANG_TIMEOUT_S = 1800.0
+_HANG_LOG_S = 5.0  # how long the watchdog waits for its event to be written before the exit
 
 
 class NanIncidentError(RuntimeError):
@@ -182,9 +185,11 @@ class Trainer:
       hang_timeout_s: while ``fit`` runs, a process in which no step finishes for this many
         seconds logs an ``error`` event and exits with code 124 (``nan2safe_jax.watchdog``): a
         peer that hangs without dying keeps its heartbeats going, and the others would wait
-        in its collective forever. ``"auto"`` (the default): ``HANG_TIMEOUT_S`` (30 minutes,
-        compiles and tier 2 included) in a run of several processes, none in one process;
-        None: never.
+        in its collective forever. ``"auto"`` (the default): ``HANG_TIMEOUT_S`` (30 minutes)
+        in a run of several processes, none in one process; None: never. The clock starts
+        with ``fit`` and again after each finished step and when tier 2 or a rollback starts:
+        give more than the first step's compile, a tier-2 replay or a checkpoint restore of
+        your model takes. The watchdog's thread runs only while ``fit`` does.
 
     Raises:
       ValueError: bad workdir, config or compile_cache, or another process's trainer holds
@@ -240,14 +245,12 @@ class Trainer:
         # process's trainer holding it raises here; one of this process is closed at the end,
         # once this one has resumed (``nan2safe_jax.workdir``).
         self._lock = WorkdirLock(sharding_lib.log_dir(self.workdir))
-        self._watchdog = None
+        self._watchdog = None  # runs only while ``fit`` does (``_watch``)
+        if hang_timeout_s == "auto":
+            hang_timeout_s = HANG_TIMEOUT_S if jax.process_count() > 1 else None
+        self.hang_timeout_s = hang_timeout_s
         try:
             self._open(factory, has_aux, resume)
-            timeout = hang_timeout_s
-            if timeout == "auto":
-                timeout = HANG_TIMEOUT_S if jax.process_count() > 1 else None
-            if timeout is not None:
-                self._watchdog = watchdog_lib.Watchdog(timeout, self._on_hang)
         except BaseException:
             self.close()
             raise
@@ -262,6 +265,7 @@ class Trainer:
         # (step, batch) of the latest finished steps: what a rollback replays.
         self.ring: collections.deque = collections.deque(maxlen=self.cfg.ring_size)
         self.incidents = 0
+        self._polluted_streak = 0  # polluted batches in a row (``_stop_past_polluted_streak``)
         self.rollbacks = 0
         self._damaged_from: int | None = None  # checkpoint of the last "damaged" rollback
         self.spikes = SpikeWatch(self.cfg)
@@ -306,15 +310,35 @@ class Trainer:
 
     def _on_hang(self, waited_s: float) -> None:
         """The watchdog's verdict: no step finished in ``hang_timeout_s``. Logged, then the
-        process ends (``watchdog.exit_on_hang``): its main thread is blocked in a collective."""
-        self.log.append(
-            "error",
-            self.step,
-            detail=f"no training step finished in {waited_s:.0f} s (hang_timeout_s): a process "
-            "of the run is most likely stuck; this process stops so the run can be restarted",
-        )
-        self.log.close()
+        process ends (``watchdog.exit_on_hang``): its main thread is blocked in a collective.
+
+        The log is written from a thread of its own, waited for at most ``_HANG_LOG_S``: the
+        main thread may hold the log's lock (stuck in a write to a dead filesystem), and a
+        failed write must not keep the process alive."""
+
+        def say() -> None:
+            try:
+                self.log.append(
+                    "error",
+                    self.step,
+                    detail=f"no training step finished in {waited_s:.0f} s (hang_timeout_s): a "
+                    "process of the run is most likely stuck; this process stops so the run "
+                    "can be restarted",
+                )
+                self.log.close()
+            except Exception:  # noqa: BLE001 - the exit below is what matters
+                pass
+
+        writer = threading.Thread(target=say, name="nan2safe-hang-log", daemon=True)
+        writer.start()
+        writer.join(_HANG_LOG_S)
         watchdog_lib.exit_on_hang(waited_s)
+
+    def _beat(self) -> None:
+        """The run is alive (a step finished, tier 2 or a rollback starts): the watchdog's
+        clock starts again, so such host work gets a whole ``hang_timeout_s`` of its own."""
+        if self._watchdog is not None:
+            self._watchdog.beat()
 
     @property
     def closed(self) -> bool:
@@ -409,7 +433,8 @@ class Trainer:
         discard = 0  # new batches still to skip after a loss-spike rollback
         drawn = 0
         inflight: _Step | None = None
-        if self._watchdog is not None:
+        if self.hang_timeout_s is not None:
+            self._watchdog = watchdog_lib.Watchdog(self.hang_timeout_s, self._on_hang)
             self._watchdog.arm()
         try:
             while True:
@@ -429,8 +454,7 @@ class Trainer:
                 running = None if batch is _END else self._dispatch(batch, replayed)
                 if inflight is not None:
                     restart = self._finish(inflight, history, bar)
-                    if self._watchdog is not None:
-                        self._watchdog.beat()
+                    self._beat()
                     if restart is not None:
                         # The state was replaced: the step just dispatched ran on the old one.
                         # Drop it; run the replayed batches, then this one again.
@@ -453,8 +477,9 @@ class Trainer:
             self.log.append("error", self.step, detail=str(lost))
             raise lost from err
         finally:
-            if self._watchdog is not None:
-                self._watchdog.disarm()
+            if self._watchdog is not None:  # no thread outlives ``fit``
+                self._watchdog.stop()
+                self._watchdog = None
             if bar:
                 bar.close()
             self.checkpoints.wait()
@@ -503,6 +528,8 @@ class Trainer:
         self._safe_exits(done.step, m)
         if m["incident"] or m["polluted"]:
             restart = self._incident(done, m)
+        else:
+            self._polluted_streak = 0
         self._gear_events(done.step, m)
         if restart is None:
             spike = self.spikes.update(done.step, m["loss"], not m["skipped"])
@@ -544,6 +571,20 @@ class Trainer:
         self.incidents += 1  # bounded like any incident: damage that never stops ends the run
         self._stop_past_max_incidents(done.step, decision)
         return self._rollback(done, decision)
+
+    def _stop_past_polluted_streak(self, step_no: int, decision) -> None:
+        """Raises ``NanIncidentError`` (logged) once more than ``max_incidents`` batches in a
+        row were polluted input: each is skipped and not counted as an incident, but a data
+        pipeline that yields nothing usable would otherwise skip every step, forever."""
+        if self._polluted_streak <= self.cfg.max_incidents:
+            return
+        detail = f"{self._polluted_streak} batches in a row were polluted input: stopping"
+        self.log.append("error", step_no, detail=detail)
+        raise NanIncidentError(
+            f"{detail} (more than max_incidents={self.cfg.max_incidents}); the data pipeline "
+            f"yields no usable batch. Last report:\n{decision.report}",
+            decision.report,
+        )
 
     def _stop_past_max_incidents(self, step_no: int, decision) -> None:
         """Raises ``NanIncidentError`` (logged) once ``incidents`` passes ``max_incidents``."""
@@ -593,6 +634,7 @@ class Trainer:
 
     def _incident(self, done: _Step, m: dict) -> _Restart | None:
         """Tier 2 for one failing step: decide, log, act. See ``nan2safe_jax.incidents``."""
+        self._beat()
         t0 = time.perf_counter()
         before, batch = done.before, done.batch
         if self.rules is not None:
@@ -610,6 +652,9 @@ class Trainer:
         # A batch reported as polluted input is skipped, and nothing else changes: a data
         # pipeline's NaN every few hundred steps must not end a long run at ``max_incidents``.
         self.incidents += int(decision.kind != "polluted_input")
+        self._polluted_streak = (
+            self._polluted_streak + 1 if decision.kind == "polluted_input" else 0
+        )
         self.last_report = report
         rd = report.to_dict()
         rd["seconds"] = rd.get("seconds") or time.perf_counter() - t0
@@ -640,6 +685,7 @@ class Trainer:
         else:  # damaged
             self.log.append("damaged", done.step, report=rd, action=decision.action)
         self._stop_past_max_incidents(done.step, decision)
+        self._stop_past_polluted_streak(done.step, decision)
         if decision.restore and decision.kind == "repeat" and done.replayed:
             # The same batch fails in SAFE again on the replay after a rollback: the batch, not
             # the state, is at fault. Another rollback would loop; its step stays skipped.
@@ -669,6 +715,7 @@ class Trainer:
           The restored state and the batches to replay, or None (logged) when no finite
           checkpoint exists.
         """
+        self._beat()
         self.checkpoints.wait()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

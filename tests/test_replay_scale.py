@@ -156,6 +156,27 @@ def test_a_vmapped_while_with_a_batched_predicate_is_entered(dtype):
     assert _at(r.source, "vmap_body"), r.source
 
 
+def test_the_entered_body_of_a_vmapped_while_masks_the_finished_lanes_too():
+    """The review's second case: in the iteration that overflows example 1's ``mul``, example
+    0 (finished) still takes ``sqrt`` of a negative number earlier in the body; the body level
+    is entered with JAX's select after it, so the dropped lane's NaN is no root there either."""
+
+    def f(v, start):
+        def body(c):
+            i, acc, z = c
+            acc = acc + jnp.sqrt(v - i - 1.0)
+            z = z * 1e10  # FAULT:vmap_mul
+            return i + 1.0, acc, z
+
+        init = (jnp.zeros(()), jnp.zeros(()), start)
+        return lax.while_loop(lambda c: c[0] < v, body, init)[2]
+
+    x, start = jnp.array([1.0, 5.0]), jnp.array([1.0, 1.0])
+    r = replay.locate(jax.make_jaxpr(jax.vmap(f))(x, start), (x, start))
+    assert r is not None and r.primitive == "mul" and r.diagnosis == "overflow", r
+    assert ("iter", 3) in r.eqn_path and _at(r.source, "vmap_mul"), (r.eqn_path, r.source)
+
+
 def test_a_nan_a_vmapped_while_makes_only_in_a_finished_lane_is_no_root():
     """The review's case: example 0's body, run after it finished, takes ``sqrt`` of -1; JAX
     drops that lane, so the fault is the ``log`` after the loop (as without ``vmap``)."""

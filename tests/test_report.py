@@ -206,7 +206,7 @@ def test_summary_dedupes_rerun_steps_and_counts_what_the_first_run_skipped(tmp_p
     # the rollbacks, their causes and the batches a spike's rollback dropped (a soak run's
     # report showed none of them)
     assert "loss spikes" in text
-    assert "2 (loss_spike 1, repeat 1); 8 batches skipped, not trained on" in text
+    assert "2 (loss_spike 1, repeat 1); loss-spike rollbacks skipped 8 batches" in text
     # A run killed and resumed re-runs the steps after its last checkpoint: not a rollback.
     with R.EventLog(tmp_path / "resumed") as log:
         for s_, loss in [(0, 3.0), (1, 2.0), (1, 2.0), (2, 1.0)]:

@@ -205,7 +205,8 @@ def test_an_fp16_layer_whose_f32_weight_overflows_the_cast_is_located_and_run_in
 
 def test_nan_in_the_data_is_reported_as_data(tmp_path, capsys):
     """Two NaN batches with ``max_incidents=1``: a batch reported as polluted input is skipped
-    and not counted (a soak run's data NaN every 100 steps ended it at the 9th)."""
+    and not counted (a soak run's data NaN every 100 steps ended it at the 9th); two in a row
+    stop the run."""
     cfg = dataclasses.replace(CFG, max_incidents=1)
     tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, cfg, tmp_path / "run")
     hist = tr.fit(_batches(6, bad={2: "nan", 4: "nan"}), steps=6)
@@ -220,6 +221,10 @@ def test_nan_in_the_data_is_reported_as_data(tmp_path, capsys):
     assert all(h["gear"] == Gear.FAST for h in hist)
     assert hist[3]["loss_scale"] == hist[2]["loss_scale"] == hist[0]["loss_scale"]
     assert hist[3]["nonfinite"] == 0
+    # ... but more than max_incidents of them in a row stop the run: the pipeline is broken.
+    with pytest.raises(NanIncidentError, match="2 batches in a row were polluted input"):
+        tr.fit(_batches(3, bad={0: "nan", 1: "nan", 2: "nan"}, seed=1), steps=3)
+    assert tr.incidents == 0
     tr.close()
     # Nothing was saved to replay at that step; ``nan2safe locate`` says why.
     capsys.readouterr()

@@ -60,10 +60,10 @@ def test_a_trainer_stuck_in_fit_logs_why_before_it_ends(tmp_path, monkeypatch):
     monkeypatch.setattr(watchdog_lib, "exit_on_hang", lambda waited: ended.set())
     cfg = Config(checkpoint_every=5)
     tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, cfg, tmp_path / "run")
-    assert tr._watchdog is None  # one process, "auto": no watchdog
+    assert tr.hang_timeout_s is None  # one process, "auto": no watchdog
     x, y = data(4)
     tr.fit([(x[0], y[0])], steps=1)  # the step compiles before the watchdog counts
-    tr._watchdog = watchdog_lib.Watchdog(1.0, tr._on_hang, poll_s=0.05)
+    tr.hang_timeout_s = 1.0
 
     def stuck_loader():
         yield x[1], y[1]
@@ -76,4 +76,25 @@ def test_a_trainer_stuck_in_fit_logs_why_before_it_ends(tmp_path, monkeypatch):
     assert tr.step == 3
     (why,) = [e for e in read_events(tmp_path / "run") if "no training step" in str(e)]
     assert why["type"] == "error" and "hang_timeout_s" in why["detail"]
+    assert tr._watchdog is None  # its thread ends with ``fit``: it holds no dropped trainer
+    tr.close()
+
+
+def test_a_log_that_blocks_does_not_keep_a_hung_process_alive(tmp_path, monkeypatch):
+    """The main thread may hold the event log's lock (a write to a dead filesystem): the
+    watchdog's event is given ``_HANG_LOG_S`` and the process ends all the same (review: it
+    waited for the lock forever)."""
+    from nan2safe_jax import trainer as trainer_lib
+
+    ended = []
+    monkeypatch.setattr(watchdog_lib, "exit_on_hang", ended.append)
+    monkeypatch.setattr(trainer_lib, "_HANG_LOG_S", 0.2)
+    tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, Config(), tmp_path / "run")
+    never = threading.Event()
+    monkeypatch.setattr(tr.log, "append", lambda *a, **k: never.wait(30))
+    t0 = time.monotonic()
+    tr._on_hang(7.0)
+    assert ended == [7.0] and time.monotonic() - t0 < 10
+    never.set()
+    monkeypatch.undo()
     tr.close()

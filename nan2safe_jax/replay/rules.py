@@ -246,7 +246,8 @@ def _while_flags(eqn: Any, invals: list, ns: Any) -> tuple[list, Any]:
 
 def _while_capture(eqn: Any, invals: list, ns: Any, s: Any) -> list:
     """Condition and body constants and the carry before step ``s`` (after ``s // 2`` iterations:
-    a flagged step implies the condition held, for some example, at every earlier iteration)."""
+    a flagged step implies the condition held, for some example, at every earlier iteration);
+    for a batched predicate, then that iteration's predicate (``_while_enter``)."""
     wp, cc, bc, init = _while_split(eqn, invals)
     t = s // 2
     batched = bool(wp["cond_jaxpr"].outvars[0].aval.shape)
@@ -260,16 +261,43 @@ def _while_capture(eqn: Any, invals: list, ns: Any, s: Any) -> list:
         return i + 1, list(new)
 
     _, c = lax.while_loop(lambda st: st[0] < t, body, (jnp.asarray(0, jnp.int32), list(init)))
-    return [*cc, *bc, *c]
+    if not batched:
+        return [*cc, *bc, *c]
+    pred = it.walk(wp["cond_jaxpr"], wp["cond_consts"], [*cc, *c], it.Ctx("plain"), ns)[0]
+    return [*cc, *bc, *c, pred]
 
 
 def _while_enter(eqn: Any, step: int, captured: list) -> tuple:
     wp = jc.while_params(eqn)
     cn, bn = wp["cond_nconsts"], wp["body_nconsts"]
+    batched = bool(wp["cond_jaxpr"].outvars[0].aval.shape)
+    pred = captured[-1] if batched else None
+    captured = captured[:-1] if batched else captured
     cc, bc, carry = captured[:cn], captured[cn : cn + bn], captured[cn + bn :]
     if step % 2 == 0:
         return ("cond", step // 2), wp["cond_jaxpr"], list(wp["cond_consts"]), [*cc, *carry]
+    if batched:  # the body, then JAX's select of the finished examples' carry
+        jaxpr, consts = _body_keeping_finished(wp, pred)
+        return ("iter", step // 2), jaxpr, consts, [*bc, *carry, pred]
     return ("iter", step // 2), wp["body_jaxpr"], list(wp["body_consts"]), [*bc, *carry]
+
+
+def _body_keeping_finished(wp: dict, pred: Any) -> tuple[Any, list]:
+    """A batched loop's body followed by ``_keep_finished`` as one jaxpr (inputs: body
+    constants, carry, then the iteration's predicate): its search masks a value made only in a
+    finished example's lane, as the flags replay does. The body's equations come first, in
+    order, with their source lines (``eval_jaxpr`` keeps them)."""
+    body = wp["body_jaxpr"]
+    ncarry = len(body.outvars)
+
+    def run(*args):
+        *ins, p = args
+        outs = jax.core.eval_jaxpr(body, wp["body_consts"], *ins)
+        return _keep_finished(p, outs, ins[len(ins) - ncarry :])
+
+    specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.invars]
+    closed = jax.make_jaxpr(run)(*specs, jax.ShapeDtypeStruct(jnp.shape(pred), jnp.bool_))
+    return closed.jaxpr, list(closed.consts)
 
 
 WHILE = Rule("step", flags=_while_flags, capture=_while_capture, enter=_while_enter, eager=True)

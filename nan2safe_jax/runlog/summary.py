@@ -248,7 +248,7 @@ def print_summary(workdir: str | os.PathLike, console=None) -> dict[str, Any]:
         causes = ", ".join(f"{k} {v}" for k, v in sorted(s["rollback_causes"].items()))
         dropped = s["rollback_skipped_batches"]
         said = f"{s['rollbacks']} ({causes})" + (
-            f"; {dropped} batches skipped, not trained on" if dropped else ""
+            f"; loss-spike rollbacks skipped {dropped} batches" if dropped else ""
         )
         t.add_row("rollbacks", said)
     extra = (
