@@ -423,11 +423,16 @@ def is_guarded(opt_state) -> bool:
     return isinstance(opt_state, GuardState)
 
 
+def _states_of(opt_state, kinds: tuple[type, ...]) -> list:
+    """The nodes of ``opt_state`` that are instances of ``kinds``, at any depth, in order."""
+    nodes = jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds))
+    return [x for x in nodes if isinstance(x, kinds)]
+
+
 def holds_guard(opt_state) -> bool:
     """True when a ``guard`` state is anywhere in ``opt_state`` (at its top or nested in the
     state of ``optax.chain``, ``apply_if_finite`` ...)."""
-    nodes = jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, GuardState))
-    return any(isinstance(x, GuardState) for x in nodes)
+    return bool(_states_of(opt_state, (GuardState,)))
 
 
 _SCHEDULE_STATES = (
@@ -442,11 +447,8 @@ def schedule_count(opt_state) -> jax.Array | None:
     first ``optax.scale_by_schedule`` state (``optax.adam(schedule)`` ...) or
     ``inject_hyperparams`` state in ``opt_state``; a skipped step does not advance it, nor does
     a micro-step of ``optax.MultiSteps``. None when ``opt_state`` holds neither."""
-    nodes = jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, _SCHEDULE_STATES))
-    for node in nodes:
-        if isinstance(node, _SCHEDULE_STATES):
-            return jnp.asarray(node.count, jnp.int32)
-    return None
+    found = _states_of(opt_state, _SCHEDULE_STATES)
+    return jnp.asarray(found[0].count, jnp.int32) if found else None
 
 
 def skipped_of(opt_state) -> jax.Array:

@@ -245,7 +245,7 @@ class Trainer:
         # process's trainer holding it raises here; one of this process is closed at the end,
         # once this one has resumed (``nan2safe_jax.workdir``).
         self._lock = WorkdirLock(sharding_lib.log_dir(self.workdir))
-        self._watchdog = None  # runs only while ``fit`` does (``_watch``)
+        self._watchdog = None  # runs only while ``fit`` does
         if hang_timeout_s == "auto":
             hang_timeout_s = HANG_TIMEOUT_S if jax.process_count() > 1 else None
         self.hang_timeout_s = hang_timeout_s
@@ -572,31 +572,23 @@ class Trainer:
         self._stop_past_max_incidents(done.step, decision)
         return self._rollback(done, decision)
 
-    def _stop_past_polluted_streak(self, step_no: int, decision) -> None:
-        """Raises ``NanIncidentError`` (logged) once more than ``max_incidents`` batches in a
-        row were polluted input: each is skipped and not counted as an incident, but a data
-        pipeline that yields nothing usable would otherwise skip every step, forever."""
-        if self._polluted_streak <= self.cfg.max_incidents:
-            return
-        detail = f"{self._polluted_streak} batches in a row were polluted input: stopping"
-        self.log.append("error", step_no, detail=detail)
-        raise NanIncidentError(
-            f"{detail} (more than max_incidents={self.cfg.max_incidents}); the data pipeline "
-            f"yields no usable batch. Last report:\n{decision.report}",
-            decision.report,
-        )
-
     def _stop_past_max_incidents(self, step_no: int, decision) -> None:
-        """Raises ``NanIncidentError`` (logged) once ``incidents`` passes ``max_incidents``."""
-        if self.incidents <= self.cfg.max_incidents:
+        """Raises ``NanIncidentError`` (logged) once ``incidents`` passes ``max_incidents``, or
+        once more than ``max_incidents`` batches in a row were polluted input: each of those is
+        skipped and not counted as an incident, but a data pipeline that yields nothing usable
+        would otherwise skip every step, forever."""
+        limit = self.cfg.max_incidents
+        if self.incidents > limit:
+            detail = f"{self.incidents} incidents: stopping"
+            why = f"{self.incidents} non-finite incidents (max_incidents={limit})"
+        elif self._polluted_streak > limit:
+            detail = f"{self._polluted_streak} batches in a row were polluted input: stopping"
+            why = f"{detail} (more than max_incidents={limit}): the data yields no usable batch"
+        else:
             return
-        self.log.append("error", step_no, detail=f"{self.incidents} incidents: stopping")
+        self.log.append("error", step_no, detail=detail)
         hint = "" if decision.hint is None else f"\n{decision.hint}"
-        raise NanIncidentError(
-            f"{self.incidents} non-finite incidents (max_incidents="
-            f"{self.cfg.max_incidents}); last report:\n{decision.report}{hint}",
-            decision.report,
-        )
+        raise NanIncidentError(f"{why}; last report:\n{decision.report}{hint}", decision.report)
 
     def _gear_events(self, step_no: int, m: dict) -> None:
         if m["next_gear"] > m["gear"] and m["next_gear"] == Gear.STABLE:
@@ -685,7 +677,6 @@ class Trainer:
         else:  # damaged
             self.log.append("damaged", done.step, report=rd, action=decision.action)
         self._stop_past_max_incidents(done.step, decision)
-        self._stop_past_polluted_streak(done.step, decision)
         if decision.restore and decision.kind == "repeat" and done.replayed:
             # The same batch fails in SAFE again on the replay after a rollback: the batch, not
             # the state, is at fault. Another rollback would loop; its step stays skipped.

@@ -195,6 +195,11 @@ def _while_split(eqn: Any, invals: list) -> tuple[dict, list, list, list]:
     return wp, invals[:cn], invals[cn : cn + bn], init
 
 
+def _batched(wp: dict) -> bool:
+    """Whether a ``while``'s predicate is batched (``bool[B]``: the loop was vmapped)."""
+    return bool(wp["cond_jaxpr"].outvars[0].aval.shape)
+
+
 def _keep_finished(pred: Any, new: list, old: list) -> list:
     """The carry after an iteration of a loop whose predicate ``pred`` was evaluated on ``old``.
 
@@ -218,6 +223,10 @@ def _while_flags(eqn: Any, invals: list, ns: Any) -> tuple[list, Any]:
     before the loop) because a ``while_loop`` condition may return nothing but its predicate
     (a ``bool[B]`` one under ``vmap``: the loop runs while any is true, ``_keep_finished``)."""
     wp, cc, bc, init = _while_split(eqn, invals)
+    if _batched(wp):  # the body, then the select that keeps a finished example's carry
+        body_jaxpr, body_consts = _body_keeping_finished(wp)
+    else:
+        body_jaxpr, body_consts = wp["body_jaxpr"], wp["body_consts"]
 
     def cond_eval(c):
         sub = it.Ctx("flags")
@@ -227,13 +236,10 @@ def _while_flags(eqn: Any, invals: list, ns: Any) -> tuple[list, Any]:
     def body(s):
         pred, i, first, c = s
         sub = it.Ctx("flags")
-        new = it.walk(wp["body_jaxpr"], wp["body_consts"], [*bc, *c], sub, ns)
-        if jnp.ndim(pred):
-            # The select in the same walk: a value made only in a finished example's lane, which
-            # the select drops, is masked (no root), as it never reaches a result in JAX.
-            keep = jax.make_jaxpr(_keep_finished)(pred, new, c)
-            new = it.walk(keep.jaxpr, keep.consts, [pred, *new, *c], sub, ns)
-        c = list(new)
+        # A batched loop's select is in the same walk: a value made only in a finished
+        # example's lane, which it drops, is masked (no root), as it reaches no result in JAX.
+        args = [*bc, *c, pred] if jnp.ndim(pred) else [*bc, *c]
+        c = it.walk(body_jaxpr, body_consts, args, sub, ns)
         first = it.first_step(first, sub.any_flags(), 2 * i + 1)
         pred, hit = cond_eval(c)
         return pred, i + 1, it.first_step(first, hit, 2 * i + 2), c
@@ -250,7 +256,7 @@ def _while_capture(eqn: Any, invals: list, ns: Any, s: Any) -> list:
     for a batched predicate, then that iteration's predicate (``_while_enter``)."""
     wp, cc, bc, init = _while_split(eqn, invals)
     t = s // 2
-    batched = bool(wp["cond_jaxpr"].outvars[0].aval.shape)
+    batched = _batched(wp)
 
     def body(state):
         i, c = state
@@ -270,23 +276,23 @@ def _while_capture(eqn: Any, invals: list, ns: Any, s: Any) -> list:
 def _while_enter(eqn: Any, step: int, captured: list) -> tuple:
     wp = jc.while_params(eqn)
     cn, bn = wp["cond_nconsts"], wp["body_nconsts"]
-    batched = bool(wp["cond_jaxpr"].outvars[0].aval.shape)
+    batched = _batched(wp)
     pred = captured[-1] if batched else None
     captured = captured[:-1] if batched else captured
     cc, bc, carry = captured[:cn], captured[cn : cn + bn], captured[cn + bn :]
     if step % 2 == 0:
         return ("cond", step // 2), wp["cond_jaxpr"], list(wp["cond_consts"]), [*cc, *carry]
     if batched:  # the body, then JAX's select of the finished examples' carry
-        jaxpr, consts = _body_keeping_finished(wp, pred)
+        jaxpr, consts = _body_keeping_finished(wp)
         return ("iter", step // 2), jaxpr, consts, [*bc, *carry, pred]
     return ("iter", step // 2), wp["body_jaxpr"], list(wp["body_consts"]), [*bc, *carry]
 
 
-def _body_keeping_finished(wp: dict, pred: Any) -> tuple[Any, list]:
+def _body_keeping_finished(wp: dict) -> tuple[Any, list]:
     """A batched loop's body followed by ``_keep_finished`` as one jaxpr (inputs: body
-    constants, carry, then the iteration's predicate): its search masks a value made only in a
-    finished example's lane, as the flags replay does. The body's equations come first, in
-    order, with their source lines (``eval_jaxpr`` keeps them)."""
+    constants, carry, then the iteration's predicate), for the flags replay and the entered
+    iteration alike: a value made only in a finished example's lane is masked. The body's
+    equations come first, in order, with their source lines (``eval_jaxpr`` keeps them)."""
     body = wp["body_jaxpr"]
     ncarry = len(body.outvars)
 
@@ -296,7 +302,8 @@ def _body_keeping_finished(wp: dict, pred: Any) -> tuple[Any, list]:
         return _keep_finished(p, outs, ins[len(ins) - ncarry :])
 
     specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.invars]
-    closed = jax.make_jaxpr(run)(*specs, jax.ShapeDtypeStruct(jnp.shape(pred), jnp.bool_))
+    pred = wp["cond_jaxpr"].outvars[0].aval
+    closed = jax.make_jaxpr(run)(*specs, jax.ShapeDtypeStruct(pred.shape, pred.dtype))
     return closed.jaxpr, list(closed.consts)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -115,10 +116,7 @@ def _summarize(run: _Run) -> dict[str, Any]:
 
     finite = run.loss[np.isfinite(run.loss)]
     skip_events = [e for e in events if e.get("type") == "skip"]
-    reasons: dict[str, int] = {}
-    for e in skip_events:
-        r = str(e.get("reason", "?"))
-        reasons[r] = reasons.get(r, 0) + 1
+    reasons = dict(Counter(str(e.get("reason", "?")) for e in skip_events))
     has_skip_field = any("skipped" in r for r in run.records)
     # Counted over every record, not only the last of each step: a step re-run after a
     # rollback was skipped (and its loss non-finite) the first time all the same.
@@ -175,7 +173,9 @@ def _summarize(run: _Run) -> dict[str, Any]:
         "checkpoints": count("checkpoint"),
         "resumes": count("resume"),
         "rollbacks": count("rollback"),
-        "rollback_causes": _tally(e.get("cause") for e in events if e.get("type") == "rollback"),
+        "rollback_causes": dict(
+            Counter(str(e.get("cause")) for e in events if e.get("type") == "rollback")
+        ),
         "rollback_skipped_batches": sum(
             int(e.get("skipped_batches") or 0) for e in events if e.get("type") == "rollback"
         ),
@@ -189,11 +189,9 @@ def _summarize(run: _Run) -> dict[str, Any]:
     }
 
 
-def _tally(keys) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for k in keys:
-        out[str(k)] = out.get(str(k), 0) + 1
-    return out
+def _counted(counts: Mapping[str, int]) -> str:
+    """``{"a": 2, "b": 1}`` as ``"a 2, b 1"``, in key order."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
 
 
 def _fmt(x: Any, spec: str = ".4g") -> str:
@@ -232,7 +230,7 @@ def print_summary(workdir: str | os.PathLike, console=None) -> dict[str, Any]:
     t.add_row("final loss", _fmt(s["final_loss"]))
     t.add_row("min loss", _fmt(s["min_loss"]))
     t.add_row("non-finite losses", str(s["nonfinite_losses"]))
-    reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["skip_reasons"].items()))
+    reasons = _counted(s["skip_reasons"])
     t.add_row("skipped steps", f"{s['skipped']}" + (f" ({reasons})" if reasons else ""))
     t.add_row("downshifts", str(s["downshifts"]))
     t.add_row("incidents located", str(s["incidents_located"]))
@@ -245,9 +243,8 @@ def print_summary(workdir: str | os.PathLike, console=None) -> dict[str, Any]:
     if s["spikes"]:
         t.add_row("loss spikes", str(s["spikes"]))
     if s["rollbacks"]:
-        causes = ", ".join(f"{k} {v}" for k, v in sorted(s["rollback_causes"].items()))
         dropped = s["rollback_skipped_batches"]
-        said = f"{s['rollbacks']} ({causes})" + (
+        said = f"{s['rollbacks']} ({_counted(s['rollback_causes'])})" + (
             f"; loss-spike rollbacks skipped {dropped} batches" if dropped else ""
         )
         t.add_row("rollbacks", said)
