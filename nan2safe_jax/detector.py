@@ -54,13 +54,14 @@ class DetectorState(struct.PyTreeNode):
         if len(set(names)) != len(names):
             raise ValueError(f"probe names must be unique, got {names!r}")
         p = len(names)
-        z = jnp.zeros([p], jnp.float32)
+        # One array per field: a state whose leaves share an array cannot be donated.
+        z = lambda: jnp.zeros([p], jnp.float32)  # noqa: E731
         return cls(
             names=names,
-            ema=z,
-            emvar=z,
-            prev1=z,
-            prev2=z,
+            ema=z(),
+            emvar=z(),
+            prev1=z(),
+            prev2=z(),
             count=jnp.zeros([p], jnp.int32),
             last_lr=jnp.full([], -1.0, jnp.float32),
             cooldown=jnp.zeros([], jnp.int32),

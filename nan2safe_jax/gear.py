@@ -138,16 +138,17 @@ class GearState(struct.PyTreeNode):
         layout = tuple((k, tuple(int(d) for d in s)) for k, s in dict(sites or {}).items())
         size = sum(int(np.prod(s, dtype=np.int64)) for _, s in layout)
         zeros = lambda: SiteValues(layout, jnp.zeros([size], jnp.int32))  # noqa: E731
-        z = jnp.zeros([], jnp.int32)
+        # One array per field: a state whose leaves share an array cannot be donated.
+        z = lambda: jnp.zeros([], jnp.int32)  # noqa: E731
         return cls(
-            level=z,
-            level_safe_left=z,
+            level=z(),
+            level_safe_left=z(),
             sites=zeros(),
             safe_left=zeros(),
             safe_entries=zeros(),
-            calm=z,
-            downshifts=z,
-            recoveries=z,
+            calm=z(),
+            downshifts=z(),
+            recoveries=z(),
         )
 
 
@@ -164,14 +165,18 @@ def known_fast(gs: GearState) -> GearState:
 
 
 def _check_gear(gear) -> int:
-    try:
-        g = int(gear)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"gear must be one of Gear.FAST/STABLE/SAFE (0, 1, 2), got {gear!r}"
-        ) from None
+    """``gear`` as an int 0-2; a float, a bool or any other value is a ``ValueError`` (``int``
+    would truncate ``1.5`` to STABLE and take ``True`` for 1; ``ops.switch`` refuses them)."""
+    said = f"gear must be one of Gear.FAST/STABLE/SAFE (0, 1, 2), got {gear!r}"
+    dtype = getattr(gear, "dtype", None)
+    integral = isinstance(gear, (int, np.integer)) and not isinstance(gear, (bool, np.bool_))
+    if dtype is not None and np.ndim(gear) == 0:
+        integral = jnp.issubdtype(dtype, jnp.integer)
+    if not integral:
+        raise ValueError(said)
+    g = int(gear)
     if g not in (0, 1, 2):
-        raise ValueError(f"gear must be one of Gear.FAST/STABLE/SAFE (0, 1, 2), got {gear!r}")
+        raise ValueError(said)
     return g
 
 
@@ -251,6 +256,12 @@ def set_site(
     else:
         if cur.ndim == 0:
             raise ValueError(f"site {name!r} is not stacked; index must be None, got {index!r}")
+        # ``.at[i].set`` drops an out-of-range write: the call would change nothing, silently.
+        if not isinstance(index, (int, np.integer)) or not -len(cur) <= int(index) < len(cur):
+            raise ValueError(
+                f"site {name!r} stacks {len(cur)} layers; index must be an int in "
+                f"[{-len(cur)}, {len(cur)}), got {index!r}"
+            )
         sel = jnp.zeros(cur.shape, bool).at[index].set(True)
     entries = gs.safe_entries[name]
     if g == Gear.SAFE:

@@ -7,7 +7,8 @@ its newest finite checkpoint. It writes nothing and keeps no state; the Trainer 
 (docs/design.md, "Tier 2").
 
 Outcomes (``Decision.kind``):
-  - ``"polluted_input"``: the batch holds a non-finite float or an out-of-range label. The step
+  - ``"polluted_input"``: the batch holds a NaN, a ``+inf`` (``-inf`` is a mask fill) or an
+    out-of-range label. The step
     was skipped on device; nothing in the model is at risk, so no gear changes.
   - ``"damaged"``: the state the step started from holds a non-finite value (a flipped bit, a
     poisoned statistic). Training on it is pointless: roll back.
@@ -39,7 +40,7 @@ from nan2safe_jax import gear as gear_lib
 from nan2safe_jax import replay
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear, GearState
-from nan2safe_jax.numerics import first_nonfinite
+from nan2safe_jax.numerics import first_nan_or_plus_inf, first_nonfinite
 from nan2safe_jax.replay.nearest import nearest_site
 from nan2safe_jax.replay.report import Report, array_stats, channel_scan
 
@@ -86,9 +87,9 @@ def polluted_report(batch) -> Report:
     Raises:
       ValueError: the batch is finite.
     """
-    where = first_nonfinite(batch)
+    where = first_nan_or_plus_inf(batch)
     if where is None:
-        raise ValueError("polluted_report: the batch is finite")
+        raise ValueError("polluted_report: the batch holds no NaN or +inf")
     leaf = _leaf_at(batch, where)
     a = np.asarray(leaf, np.float64)
     chans, cut = channel_scan(a)
@@ -132,6 +133,8 @@ def out_of_range_labels(batch, size: int) -> tuple[str, list[int]] | None:
       ``(key path, rows)`` or None.
     """
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if jax.dtypes.issubdtype(getattr(leaf, "dtype", np.float32), jax.dtypes.prng_key):
+            continue  # a PRNG key: no labels, and NumPy cannot hold it
         a = np.asarray(leaf)
         if a.dtype.kind not in "iu" or a.ndim == 0:
             continue

@@ -1,9 +1,10 @@
 """Small numerics over pytrees, in one place: finiteness, norms, selection, saturating counters.
 
-Device-side helpers (``all_finite``, ``sum_of_squares``, ``global_norm``, ``select_tree``,
-``saturating_add``, ``computed_once``) are traceable and run inside the jitted step. Host-side
-helpers (``first_nonfinite``, ``tree_is_finite``) read concrete arrays back with NumPy: the
-Trainer uses them on a batch before it blames the model, and the checkpointer before it saves.
+Device-side helpers (``all_finite``, ``no_nan_or_plus_inf``, ``sum_of_squares``,
+``global_norm``, ``select_tree``, ``saturating_add``, ``computed_once``) are traceable and run
+inside the jitted step. Host-side helpers (``first_nonfinite``, ``first_nan_or_plus_inf``,
+``tree_is_finite``) read concrete arrays back with NumPy: the Trainer uses them on a batch
+before it blames the model, and the checkpointer before it saves.
 
 A leaf is checked for finiteness when its dtype is inexact (float, bfloat16, float8, complex);
 integer, bool and PRNG-key leaves are always finite.
@@ -43,6 +44,30 @@ def all_finite(tree) -> jax.Array:
       A bool scalar array.
     """
     leaves = [jnp.all(jnp.isfinite(x)) for x in floating_leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def _nan_or_plus_inf(x) -> jax.Array:
+    """bool array: NaN or ``+inf`` (for a complex value: not finite)."""
+    if jnp.iscomplexobj(x):
+        return ~jnp.isfinite(x)
+    return jnp.isnan(x) | jnp.isposinf(x)
+
+
+def no_nan_or_plus_inf(tree) -> jax.Array:
+    """bool[]: no floating leaf of ``tree`` holds a NaN or ``+inf``; ``-inf`` is allowed.
+
+    What a batch must be (the train step's ``polluted`` is its negation): ``-inf`` is the
+    conventional mask fill (an additive attention bias), a value the data means, as the probes
+    read it (``probe.nonfinite_count``); a NaN or ``+inf`` is not.
+
+    Args:
+      tree: a pytree of arrays (traced or concrete).
+
+    Returns:
+      A bool scalar array.
+    """
+    leaves = [~jnp.any(_nan_or_plus_inf(x)) for x in floating_leaves(tree)]
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
@@ -210,6 +235,28 @@ def first_nonfinite(tree) -> str | None:
         if not np.all(ok):
             return jax.tree_util.keystr(path)
     return None
+
+
+def first_nan_or_plus_inf(tree) -> str | None:
+    """Host-side scan: the key path of the first leaf holding a NaN or ``+inf``, or None (see
+    ``no_nan_or_plus_inf``: ``-inf`` is allowed)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if holds_nan_or_plus_inf(leaf):
+            return jax.tree_util.keystr(path)
+    return None
+
+
+def holds_nan_or_plus_inf(leaf) -> bool:
+    """Host-side: ``leaf`` is a floating array holding a NaN or ``+inf``."""
+    if _is_key(leaf):
+        return False
+    a = np.asarray(leaf)
+    if not _inexact(a.dtype):
+        return False
+    if np.iscomplexobj(a):
+        return not np.all(np.isfinite(a))
+    a = a.astype(np.float32)
+    return bool(np.any(np.isnan(a) | np.isposinf(a)))
 
 
 def tree_is_finite(tree) -> bool:

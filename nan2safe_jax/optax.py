@@ -239,8 +239,8 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
-        z = jnp.zeros([], jnp.int32)
-        return SkipState(inner.init(params), z, z)
+        # One array per field: a state whose leaves share an array cannot be donated.
+        return SkipState(inner.init(params), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None, *, finite=None, **extra):
         verdict = _verdict(updates, finite)

@@ -314,9 +314,10 @@ def train_step(
     variables (BatchNorm statistics), detector baselines — except the gears, the step counter
     and, after non-finite gradients, the guard's counters (the loss scale backs off, the skip
     count and streak grow). After a bad update (finite gradients, a non-finite change) the
-    whole optimizer state is kept. A batch with a non-finite float is data, not a fault
+    whole optimizer state is kept. A batch with a NaN or ``+inf`` is data, not a fault
     (``metrics["polluted"]``): it is skipped with the gears and the whole optimizer state,
-    loss scale included, untouched.
+    loss scale included, untouched. A ``-inf`` in the batch is a value (an additive mask's
+    fill), as it is to the probes: the step trains on it.
     """
     if partitioned:
         with probe_lib.partitioned():
@@ -336,8 +337,8 @@ def train_step(
     site = _site_state(state, fast_only, fast_sites)
     scale = guard_lib.loss_scale_of(state.opt_state)
     # One reduction over the batch's floating leaves; under sharding it is a global reduction in
-    # the one SPMD program, so every process reads the same verdict.
-    polluted = ~numerics.all_finite(batch)
+    # the one SPMD program, so every process reads the same verdict. A -inf is a mask fill.
+    polluted = ~numerics.no_nan_or_plus_inf(batch)
 
     def scaled_loss(params):
         loss, probes, new_rest, aux = _forward(state, site, params, batch, loss_fn, has_aux)
@@ -583,10 +584,11 @@ def make_train_step(
     """The jitted ``(state, batch) -> (state, metrics)`` step.
 
     Gears are values in ``state.gear``: changing them (by the detector, by ``gear.set_level`` /
-    ``gear.set_site``, or by the trainer) never retraces or recompiles. With ``fast_program``
-    the step is compiled twice, a FAST-only program for states whose gears are all FAST and the
-    general one for any gear; the one not needed first compiles in a background thread
-    (``nan2safe_jax.programs``).
+    ``gear.set_site``, or by the trainer) never retraces or recompiles the program that runs.
+    With ``fast_program`` the step is compiled twice, a FAST-only program for states whose
+    gears are all FAST and the general one for any gear; the one not needed first compiles in
+    a background thread (``nan2safe_jax.programs``), and so does, for each new set of sites in
+    SAFE, a partial program that the steps take over from the general one once it is ready.
 
     Args:
       loss_fn: ``loss_fn(model, batch) -> scalar``; ``model`` is the ``nnx.Module``.
@@ -595,7 +597,10 @@ def make_train_step(
         reads (``nan2safe.optax.schedule_count``: skipped steps and ``optax.MultiSteps``
         micro-steps do not advance it), or, for an optimizer without a schedule state, the
         steps the guard did not skip.
-      jit: compile the step (default); False runs it eagerly (for debugging).
+      jit: compile the step (default). The compiled step runs on the host (it commits the
+        state and picks a program), so ``jax.jit`` cannot trace it (a ``TypeError`` says so):
+        False gives the bare step function, run eagerly (for debugging) or jitted by you, e.g.
+        ``jax.jit(make_train_step(loss_fn, jit=False), donate_argnums=0)``.
       donate: donate the old state's buffers to the new one. A state fresh from
         ``TrainState.create(model, ...)`` shares its arrays with ``model`` (the graph is
         copied, not the arrays): the first donated step deletes ``model``'s parameters too.
@@ -618,11 +623,11 @@ def make_train_step(
       ``f32[NUM_STATS]`` statistics, in the detector's order; probe -> risk),
       ``site_gears`` and ``next_all_fast`` (the next step's program); the flags ``finite``,
       ``overflow``, ``incident`` (a non-finite step the model made: tier 2's case),
-      ``polluted`` (a non-finite float in the batch), ``bad_update``, ``bad_rest`` and
-      ``next_gear``. A skipped step's ``loss`` is what it computed (NaN or inf): a loop of your
-      own averages the losses of the steps with ``skipped`` False. The step does not undo a
-      downshift that a data fault it cannot see as data caused (an empty mask's 0/0, a token
-      past the vocabulary): the ``Trainer``'s tier 2 does.
+      ``polluted`` (a NaN or ``+inf`` in the batch; ``-inf`` is a mask fill), ``bad_update``,
+      ``bad_rest`` and ``next_gear``. A skipped step's ``loss`` is what it computed (NaN or
+      inf): a loop of your own averages the losses of the steps with ``skipped`` False. The
+      step does not undo a downshift that a data fault it cannot see as data caused (an empty
+      mask's 0/0, a token past the vocabulary): the ``Trainer``'s tier 2 does.
       ``step.jitted`` is the general step jitted without shardings and ``step.jitted_fast``
       the FAST-only one (what ``replay.locate_step`` traces; give it arguments gathered with
       ``nan2safe.sharding.to_local``); ``step.rules`` the rules; ``step.programs`` the
@@ -697,15 +702,23 @@ def make_train_step(
     def probe_names(state, batch):
         seen = []
 
-        def trace(params, site):
+        def trace(params, site, batch):
             _, blocks, _, _ = _forward(state, site, params, batch, loss_fn, has_aux)
             seen.append(tuple(n for b in blocks for n in b.names))
             return 0
 
-        jax.eval_shape(trace, state.params, _site_state(state))
+        # The batch is an argument, as in the step: closed over, a NumPy leaf is a constant of
+        # the trace, which a site's ``custom_vjp`` under ``vmap`` refuses.
+        jax.eval_shape(trace, state.params, _site_state(state), batch)
         return seen[0] + BUILTIN_PROBES
 
     def step(state: TrainState, batch):
+        if jit and any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(state)):
+            raise TypeError(
+                "make_train_step: the step runs on the host (it commits the state and picks a "
+                "compiled program) and cannot be traced by jax.jit / vmap / grad: pass "
+                "donate=True for donation, or build it with jit=False and jit that yourself"
+            )
         key = (state.detector.names, jax.tree_util.tree_structure(batch))
         if key not in checked:
             checked[key] = probe_names(state, batch)

@@ -345,6 +345,70 @@ def test_a_donated_step_computes_what_an_undonated_one_does_skips_included():
         _assert_same(a, b)
 
 
+def _masked_loss(model, batch):
+    """``loss_fn`` with an additive mask over the batch's rows (``-inf``: left out)."""
+    x, y, bias = batch
+    w = jax.nn.softmax(bias)  # the rows' weights: 0 where the bias is -inf
+    return jnp.sum(w[:, None] * jnp.square(model(x).astype(jnp.float32) - y))
+
+
+@pytest.mark.parametrize("fill", [-jnp.inf, jnp.inf, jnp.nan])
+def test_a_minus_inf_mask_in_the_batch_is_trained_on_and_nan_or_plus_inf_is_polluted(fill):
+    """A ``-inf`` additive mask is a value (its loss and gradients are finite): the step trains
+    on it. A ``+inf`` or NaN in the batch is data that is not usable: skipped as polluted."""
+    x, y = _data(1)
+    bias = jnp.zeros(x.shape[1]).at[:4].set(fill)
+    state = _state()
+    new, m = make_train_step(_masked_loss)(state, (x[0], y[0], bias))
+    usable = fill == -jnp.inf
+    assert bool(m["polluted"]) is not usable and bool(m["skipped"]) is not usable
+    assert bool(m["finite"]) is usable
+    moved = jax.tree_util.tree_map(lambda a, b: bool(jnp.any(a != b)), state.params, new.params)
+    assert any(jax.tree_util.tree_leaves(moved)) is usable
+
+
+def test_a_fresh_state_can_be_donated_by_a_jit_of_the_users():
+    """No two leaves of a fresh state are one array (XLA refuses to donate a buffer twice):
+    ``jax.jit(make_train_step(loss_fn, jit=False), donate_argnums=0)`` runs, and so does a
+    donating jit of the user's around the guard alone; the compiled step refuses to be traced,
+    saying what to do instead."""
+    state = _state()
+    arrays = [x for x in jax.tree_util.tree_leaves(state) if isinstance(x, jax.Array)]
+    params = {id(x) for x in jax.tree_util.tree_leaves(state.params)}
+    own = [id(x) for x in arrays if id(x) not in params]
+    assert len(own) == len(set(own))
+    x, y = _data(1)
+    stepped, m = jax.jit(make_train_step(loss_fn, jit=False), donate_argnums=0)(state, (x[0], y[0]))
+    assert int(stepped.step) == 1 and bool(m["finite"])
+    tx = nan2safe.optax.guard(optax.adam(1e-3))
+    params = {"w": jnp.ones(3)}
+    update = jax.jit(lambda g, s, p: tx.update(g, s, p), donate_argnums=(1,))
+    _, opt_state = update({"w": jnp.ones(3)}, tx.init(params), params)
+    assert int(nan2safe.optax.skipped_of(opt_state)) == 0
+    with pytest.raises(TypeError, match="jit=False"):
+        jax.jit(make_train_step(loss_fn))(_state(), (x[0], y[0]))
+
+
+def test_a_numpy_batch_vmapped_into_a_site_runs_from_the_first_step():
+    """The Trainer passes NumPy batches. The step's first call traced the loss with the batch
+    closed over (to learn the probe names), which made a NumPy leaf a constant, and a site's
+    ``custom_vjp`` under ``vmap`` refused it; the batch is now an argument, as in the step."""
+
+    class Rows(nnx.Module):
+        def __init__(self):
+            self.norm = nan2safe.nn.LayerNorm(3, rngs=nnx.Rngs(0))
+            self.w = nnx.Param(jnp.ones(()))
+
+        def __call__(self, a):
+            return jax.vmap(self.norm)(a) * self.w[...]
+
+    state = TrainState.create(Rows(), optax.sgd(0.1))
+    step = make_train_step(lambda m, b: jnp.sum(jnp.square(m(b["a"]))))
+    a = np.arange(12, dtype=np.float32).reshape(4, 3)
+    _, m = step(state, {"a": a})
+    np.testing.assert_allclose(float(m["loss"]), 4 * 3.0, rtol=1e-4)  # each row: (-1.22, 0, 1.22)
+
+
 def test_metrics_probes_are_one_array_row_per_probe_and_scanned_layers_stay_one_block():
     """``metrics["probes"]`` is every probe's statistics as one array (a ``NamedValues``, in
     the detector's order), each row what the forward wrote; a scanned probe's layers reach the
