@@ -8,7 +8,10 @@ not finite, so a run always resumes from the newest *good* one.
 
 The detector's probe names are kept beside each checkpoint (``<dir>_probes/<step>.json``): a run
 resumed with a different probe set (a model edited between runs, a probe added) restores the
-baselines of the probes both sets share instead of rejecting the checkpoint.
+baselines of the probes both sets share instead of rejecting the checkpoint. So are the saved
+arrays' names (``<dir>_paths/<step>.json``, ``leaf_paths``): a state whose arrays are named
+otherwise (a renamed layer of the same shapes, another optimizer) is refused, naming the first
+array that differs, instead of being filled by position.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -174,26 +178,66 @@ class CheckpointMismatchError(ValueError):
     skipping would start the run again and its saves would replace the old run's checkpoints."""
 
 
-def _layout_of(shapes, like, path):
-    """The ``(layout, back)`` of ``_layouts(like)`` whose arrays have exactly ``shapes``
-    (today's when the shapes are unknown: restoring it then reports what is wrong).
+def leaf_paths(state) -> list[str]:
+    """The path of each array a checkpoint of ``state`` holds, in saved order.
+
+    A checkpoint stores arrays by position; these names, kept beside it, let a restore tell a
+    renamed or reordered layer (the same shapes in another order: the weights would land in
+    the wrong layer) and a changed optimizer from the run's own state. nnx's ``.value`` ending
+    is left out, so the names do not depend on how a Variable exposes its array.
+    """
+    return [
+        re.sub(r"\.(value|raw_value)$", "", jax.tree_util.keystr(k))
+        for k, v in jax.tree_util.tree_flatten_with_path(state)[0]
+        if not _empty(v)
+    ]
+
+
+def _first_name_difference(saved: list[str], here: list[str]) -> str:
+    """Where the saved array names and today's first differ."""
+    for i, (a, b) in enumerate(zip(saved, here, strict=False)):
+        if a != b:
+            return f"array {i} is {a} there, {b} here"
+    longer, which = (saved, "there") if len(saved) > len(here) else (here, "here")
+    n = min(len(saved), len(here))
+    return (
+        f"it holds {len(saved)} arrays, this state {len(here)}; the first array only {which} "
+        f"is {longer[n]}"
+    )
+
+
+def _layout_of(shapes, like, path, names=None):
+    """The ``(layout, back)`` of ``_layouts(like)`` whose arrays have exactly ``shapes`` and,
+    when ``names`` are known, those names (today's when the shapes are unknown: restoring it
+    then reports what is wrong).
+
+    ``names``: the saved arrays' ``leaf_paths`` (None for checkpoints written before they were
+    kept: shapes alone decide).
 
     Raises:
-      CheckpointMismatchError: no layout has ``shapes``; names the first difference with
-        today's layout.
+      CheckpointMismatchError: no layout has ``shapes`` and ``names``; names the first
+        difference with today's layout.
     """
-    if shapes is None:
+    if shapes is None and names is None:
         return like, lambda st: st
     for layout, back in _layouts(like):
+        if names is not None and leaf_paths(layout) != names:
+            continue
         leaves = jax.tree_util.tree_leaves(_abstract(layout))
-        if len(leaves) == len(shapes) and all(
-            tuple(a.shape) == s for a, s in zip(leaves, shapes, strict=True)
+        if shapes is None or (
+            len(leaves) == len(shapes)
+            and all(tuple(a.shape) == s for a, s in zip(leaves, shapes, strict=True))
         ):
             return layout, back
+    here = leaf_paths(like)
+    if names is not None and names != here:
+        why = _first_name_difference(names, here)
+    else:
+        why = _first_difference(shapes, like)
     raise CheckpointMismatchError(
-        f"checkpoint {path} was written for a different model: {_first_difference(shapes, like)}."
-        " Resume with the model (and probe set) the run was made with, or give this model a new"
-        " workdir; checkpoints of a changed model are not restored"
+        f"checkpoint {path} was written for a different model: {why}. Resume with the model, "
+        "optimizer (and probe set) the run was made with, or give this one a new workdir; "
+        "checkpoints of a changed model are not restored, and are kept"
     )
 
 
@@ -248,6 +292,7 @@ class Checkpointer:
             self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler()
         )
         self._probes = self.directory.parent / f"{self.directory.name}_probes"
+        self._paths = self.directory.parent / f"{self.directory.name}_paths"
 
     def steps(self) -> list[int]:
         """Steps of the checkpoints orbax considers complete, oldest first."""
@@ -291,20 +336,23 @@ class Checkpointer:
         if names is not None:
             self._probes.mkdir(parents=True, exist_ok=True)
             (self._probes / f"{int(step)}.json").write_text(json.dumps(list(names)))
+        self._paths.mkdir(parents=True, exist_ok=True)
+        (self._paths / f"{int(step)}.json").write_text(json.dumps(leaf_paths(state)))
         self._manager.save(int(step), args=ocp.args.StandardSave(_to_saveable(state)), force=True)
-        self._prune_probe_names()
+        self._prune_side_files()
         return True
 
-    def _prune_probe_names(self) -> None:
-        """Deletes the probe-name files of checkpoints older than the oldest orbax keeps
-        (its ``max_to_keep`` deletes the checkpoints themselves, not these files)."""
+    def _prune_side_files(self) -> None:
+        """Deletes the probe-name and array-name files of checkpoints older than the oldest
+        orbax keeps (its ``max_to_keep`` deletes the checkpoints themselves, not these)."""
         kept = self._manager.all_steps()
-        if not kept or not self._probes.is_dir():
+        if not kept:
             return
         oldest = min(kept)
-        for f in self._probes.glob("*.json"):
-            if f.stem.isdigit() and int(f.stem) < oldest:
-                f.unlink(missing_ok=True)
+        for folder in (self._probes, self._paths):
+            for f in folder.glob("*.json") if folder.is_dir() else ():
+                if f.stem.isdigit() and int(f.stem) < oldest:
+                    f.unlink(missing_ok=True)
 
     def restore(self, step: int, template):
         """Restores checkpoint ``step`` into the structure (and shardings) of ``template``.
@@ -318,7 +366,9 @@ class Checkpointer:
         like = template
         if saved_names is not None and names is not None and saved_names != names:
             like = template.with_probes(saved_names)
-        layout, back = _layout_of(self._saved_shapes(step), like, self.path(step))
+        layout, back = _layout_of(
+            self._saved_shapes(step), like, self.path(step), self._saved_paths(step)
+        )
         saved = self._manager.restore(int(step), args=ocp.args.StandardRestore(_abstract(layout)))
         state = back(_from_saved(saved, layout))
         return state if like is template else state.with_probes(names)
@@ -329,6 +379,14 @@ class Checkpointer:
             meta = ocp.StandardCheckpointHandler().metadata(epath.Path(self.path(step)) / "default")
             return [tuple(meta[k].shape) for k in sorted(meta)]
         except Exception:  # noqa: BLE001 - no metadata: restore as today's layout, which reports
+            return None
+
+    def _saved_paths(self, step: int) -> list[str] | None:
+        """The saved arrays' ``leaf_paths`` (None for a checkpoint written before they were
+        kept, or without its file)."""
+        try:
+            return list(json.loads((self._paths / f"{int(step)}.json").read_text()))
+        except (OSError, ValueError):
             return None
 
     def _saved_names(self, step: int) -> tuple[str, ...] | None:
@@ -384,6 +442,7 @@ class Checkpointer:
         for s in gone:
             self._manager.delete(s)
             (self._probes / f"{s}.json").unlink(missing_ok=True)
+            (self._paths / f"{s}.json").unlink(missing_ok=True)
         return gone
 
     def path(self, step: int) -> Path:

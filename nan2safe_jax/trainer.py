@@ -164,8 +164,11 @@ class Trainer:
       lr_schedule: the optimizer's schedule, for the detector's cool-down (optional; see
         ``make_train_step`` for the count it is called with).
       factory: ``"module:function"`` returning ``(model, tx, loss_fn, cfg)``; recorded so that
-        ``nan2safe locate WORKDIR --step N`` can rebuild the step offline.
-      resume: resume from the newest good checkpoint in ``workdir`` (default True).
+        ``nan2safe locate WORKDIR --step N`` can rebuild the step offline (None keeps the one
+        the workdir recorded).
+      resume: resume from the newest good checkpoint in ``workdir`` (default True). False on
+        a workdir that holds checkpoints is a ``ValueError``: a new run there would overwrite
+        and mix them.
       progress: show a progress bar with loss, gear and loss scale.
       mesh: a ``jax.sharding.Mesh``; alone it means ``nan2safe.sharding.data_parallel(mesh)``.
       rules: ``nan2safe.sharding.data_parallel(...)`` / ``fsdp(...)``. The initial (or resumed)
@@ -275,12 +278,36 @@ class Trainer:
         self.step = 0
         self._last_sites: dict[str, Any] = {}
         self._last_level: int | None = None
+        record = self.workdir / "run.json"
+        if factory is None and record.exists():
+            # Opening a run to read it back must not lose what `nan2safe locate` rebuilds from.
+            factory = json.loads(record.read_text()).get("factory")
         run = {"factory": factory, "config": dataclasses.asdict(self.cfg), "has_aux": has_aux}
         if resume:
             self._resume(run)
+        else:
+            self._refuse_another_runs_checkpoints()
         self._lock.take_over(self)
         # Written once the run is known to go on here: a refused resume keeps the old record.
-        (self.workdir / "run.json").write_text(json.dumps(run, indent=1))
+        record.write_text(json.dumps(run, indent=1))
+
+    def _refuse_another_runs_checkpoints(self) -> None:
+        """``resume=False`` on a workdir that holds checkpoints: refused. The new run's saves
+        would replace the old run's of the same steps and its keep-3 pruning delete the rest,
+        the two runs' logs would read as one, and a later resume would pick up the old run's
+        newest step over the new run's work.
+
+        Raises:
+          ValueError: naming the workdir, its checkpoints and what to do instead.
+        """
+        held = sorted(set(self.checkpoints.steps()) | set(self.checkpoints.unfinished()))
+        if held:
+            raise ValueError(
+                f"resume=False: {str(self.workdir)!r} holds an earlier run's checkpoints (steps "
+                f"{held}); starting over there would overwrite and mix them. Pass a new "
+                "workdir, or resume=True to go on from them (delete the folder yourself to "
+                "start over in it)"
+            )
 
     # ------------------------------------------------------------------ lifetime
 
@@ -825,17 +852,43 @@ class Trainer:
         """Keeps the state before the bad step and its batch for ``nan2safe locate``."""
         d = self.workdir / "incidents" / f"step_{step_no}"
         d.mkdir(parents=True, exist_ok=True)
-        host_batch = jax.tree_util.tree_map(np.asarray, batch)
+        host_batch = jax.tree_util.tree_map(_host_leaf, batch)
         if jax.process_index() == 0:  # the batch is whole (gathered) and alike everywhere
             with open(d / "batch.pkl", "wb") as f:
                 pickle.dump(host_batch, f)
-            leaves = jax.tree_util.tree_leaves(host_batch)
-            np.savez(d / "batch.npz", **{f"{i:05d}": x for i, x in enumerate(leaves)})
+            leaves = jax.tree_util.tree_leaves(host_batch, is_leaf=_is_saved_key)
+            arrays = [x.data if _is_saved_key(x) else x for x in leaves]
+            np.savez(d / "batch.npz", **{f"{i:05d}": x for i, x in enumerate(arrays)})
         ckpt = Checkpointer(d / "state", async_save=False)
         try:
             ckpt.save(step_no, sharding_lib.host_arrays(state), finite=True)
         finally:
             ckpt.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _SavedKey:
+    """A typed PRNG key of a saved batch (NumPy cannot hold one): its raw data and its
+    implementation's name, for ``jax.random.wrap_key_data``."""
+
+    data: np.ndarray
+    impl: str
+
+
+def _is_saved_key(x) -> bool:
+    return isinstance(x, _SavedKey)
+
+
+def _host_leaf(x):
+    """A batch leaf as the incident saves it: a NumPy array, or a typed key's ``_SavedKey``."""
+    if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return _SavedKey(np.asarray(jax.random.key_data(x)), str(jax.random.key_impl(x)))
+    return np.asarray(x)
+
+
+def _device_leaf(x):
+    """``_host_leaf`` undone for a key; other leaves as saved."""
+    return jax.random.wrap_key_data(x.data, impl=x.impl) if _is_saved_key(x) else x
 
 
 def _downshift_cause(m: dict) -> str:
@@ -874,7 +927,7 @@ def load_incident(workdir, step: int, template):
         have = sorted(p.name for p in (Path(workdir) / "incidents").glob("step_*"))
         raise FileNotFoundError(f"no incident saved for step {step} in {workdir}; have {have}")
     with open(d / "batch.pkl", "rb") as f:
-        batch = pickle.load(f)
+        batch = jax.tree_util.tree_map(_device_leaf, pickle.load(f), is_leaf=_is_saved_key)
     ckpt = Checkpointer(d / "state", async_save=False)
     try:
         found = ckpt.restore_latest(template)

@@ -216,3 +216,41 @@ def test_a_model_without_sites_saves_and_restores_its_empty_gear_arrays(tmp_path
     restored, at = ck.restore_latest(fresh)
     assert at == 1
     _equal(restored, state)
+
+
+class _Two(nnx.Module):
+    """Two layers of one shape: restored by position alone, a rename swaps their weights."""
+
+    def __init__(self, first="a", second="b", seed=0):
+        rngs = nnx.Rngs(seed)
+        setattr(self, first, nnx.Linear(4, 4, rngs=rngs))
+        setattr(self, second, nnx.Linear(4, 4, rngs=rngs))
+        self.order = (first, second)
+
+    def __call__(self, x):
+        return getattr(self, self.order[1])(getattr(self, self.order[0])(x))
+
+
+@pytest.mark.parametrize("change", ["renamed layer", "optimizer", "no names kept"])
+def test_a_state_whose_arrays_are_named_otherwise_is_refused_naming_the_first(tmp_path, change):
+    """A checkpoint keeps its arrays' names: a layer renamed to another of the same shapes (by
+    position, ``a``'s weights went to ``c``'s place and the others moved: the loss jumped from
+    4.8 to 7.8, silently) or another optimizer is refused naming the first array that
+    differs, and the checkpoint is kept; one written without names restores by position."""
+    ck = Checkpointer(tmp_path / "ck")
+    saved = TrainState.create(_Two(), optax.adam(1e-3))
+    assert ck.save(1, saved)
+    if change == "renamed layer":
+        like = TrainState.create(_Two("c", "b", seed=1), optax.adam(1e-3))
+        with pytest.raises(CheckpointMismatchError, match=r"array 0 is .params\['a'\]"):
+            ck.restore_latest(like)
+    elif change == "optimizer":
+        like = TrainState.create(_Two(seed=1), optax.sgd(1e-3))
+        with pytest.raises(CheckpointMismatchError, match=r"there, .* here|only (here|there)"):
+            ck.restore_latest(like)
+    else:
+        for f in (tmp_path / "ck_paths").iterdir():
+            f.unlink()
+        restored, _ = ck.restore_latest(TrainState.create(_Two(seed=1), optax.adam(1e-3)))
+        _equal(restored, saved)
+    assert ck.steps() == [1]

@@ -55,14 +55,17 @@ def _types(events):
 
 
 def test_one_trainer_per_workdir_and_a_changed_model_never_overwrites_the_run(tmp_path):
-    """A second trainer of this process takes the workdir over (the first is closed); one of a
-    changed model is refused before it writes anything; a changed config is said on resume."""
+    """A second trainer of this process takes the workdir over (the first is closed) and keeps
+    the factory the run recorded; one of a changed model is refused before it writes anything;
+    a changed config is said on resume; ``resume=False`` over the run's checkpoints is refused
+    (the new run's saves replaced and pruned the old run's, and a restart resumed the old)."""
     run = tmp_path / "run"
-    first = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, run)
+    first = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, run, factory="m:f")
     first.fit(_batches(5), steps=5)
     with pytest.warns(UserWarning, match="takes workdir .* over"):
         second = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, run)
     assert first.closed and second.step == 5
+    assert json.loads((run / "run.json").read_text())["factory"] == "m:f"
     with pytest.raises(ValueError, match="is closed"):
         first.fit(_batches(1), steps=1)
     record = (run / "run.json").read_text()
@@ -91,6 +94,12 @@ def test_one_trainer_per_workdir_and_a_changed_model_never_overwrites_the_run(tm
     assert lost["type"] == "error" and lost["step"] == 5
     (resume,) = [e for e in read_events(run) if e["type"] == "resume"][-1:]
     assert resume["config_changed"] == {"recovery_window": [8, 9]}
+    assert json.loads((run / "run.json").read_text())["config"]["recovery_window"] == 9
+
+    with pytest.raises(ValueError, match=r"resume=False: .* checkpoints \(steps \[5, 10\]\)"):
+        Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, looser, run, resume=False)
+    held = {p.name for p in (run / "checkpoints").iterdir()}
+    assert held == {"5", "10.orbax-checkpoint-tmp-1234"}, held
     assert json.loads((run / "run.json").read_text())["config"]["recovery_window"] == 9
 
 
@@ -669,3 +678,27 @@ def test_a_fault_that_repeats_in_safe_rolls_back_once_and_never_loops(tmp_path):
     assert rb[0]["to_step"] == 5
     assert any("fails again after a rollback" in e.get("detail", "") for e in ev)
     assert tr.step == 12 and np.isfinite(hist[-1]["loss"]) and not hist[-1]["skipped"]
+
+
+def test_an_incident_batch_holding_a_typed_prng_key_is_saved_and_loaded_back(tmp_path):
+    """A dropout key carried in the batch as a typed key (``jax.random.key``): NumPy cannot
+    hold it, and saving the incident crashed tier 2 at the first fault. It is saved as its raw
+    data and comes back a key of the same implementation."""
+    import types
+
+    from nan2safe_jax import TrainState
+    from nan2safe_jax.trainer import load_incident
+
+    state = TrainState.create(Net(rngs=nnx.Rngs(0)), optax.sgd(0.1), CFG)
+    x, y = data(1)
+    batch = {"x": x[0], "y": y[0], "key": jax.random.key(7), "raw": jax.random.PRNGKey(7)}
+    Trainer._save_incident(types.SimpleNamespace(workdir=tmp_path), 3, state, batch)
+    _, back = load_incident(tmp_path, 3, state)
+    assert jax.dtypes.issubdtype(back["key"].dtype, jax.dtypes.prng_key)
+    assert jax.random.key_impl(back["key"]) == jax.random.key_impl(batch["key"])
+    np.testing.assert_array_equal(
+        jax.random.key_data(back["key"]), jax.random.key_data(batch["key"])
+    )
+    np.testing.assert_array_equal(back["raw"], batch["raw"])
+    np.testing.assert_array_equal(back["x"], x[0])
+    assert len(np.load(tmp_path / "incidents" / "step_3" / "batch.npz").files) == 4
