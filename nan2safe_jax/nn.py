@@ -226,7 +226,7 @@ class Linear(_Site):
     def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
         _no_sharding("Linear", out_sharding)
         with self._scope():  # the promotion's casts are the site's (tier 2 names it)
-            inputs, kernel, bias = _promoted(
+            inputs, kernel, bias, dtype = _promoted(
                 self.promote_dtype, inputs, self.kernel[...], _value(self.bias), self.dtype
             )
             y = ops.linear(
@@ -236,6 +236,7 @@ class Linear(_Site):
                 gear=self._gear(),
                 precision=self.precision,
                 preferred_element_type=self.preferred_element_type,
+                dtype=dtype,
             )
             if self.probe_output is not None and probe_enabled("linear_output"):
                 _write(self.probe_output, cheap_stats(y))
@@ -243,15 +244,19 @@ class Linear(_Site):
 
 
 def _promoted(promote, inputs, kernel, bias, dtype):
-    """``promote((inputs, kernel, bias), dtype=dtype)``, except that with flax's own
-    ``promote_dtype`` the weights come back as stored: ``ops.linear`` casts them to the
-    inputs' dtype in FAST and STABLE, as ``promote_dtype`` would, and to f32 in SAFE, so SAFE
-    computes an fp16 layer from its f32 weights, not from their cast (inf past 65504). A
-    custom ``promote_dtype`` gives its own operands to every gear."""
+    """``(*promote((inputs, kernel, bias), dtype=dtype), compute dtype)``, except that with
+    flax's own ``promote_dtype`` a float input and the weights come back as given, with the
+    dtype ``promote_dtype`` would cast them to: ``ops.linear(..., dtype=)`` casts them to it
+    in FAST and STABLE, and to f32 in SAFE, so SAFE computes an fp16 layer from its f32
+    weights and f32 inputs, not from their casts (inf past 65504). A custom
+    ``promote_dtype`` gives its own operands to every gear (compute dtype None)."""
     if promote is not _promote:
-        return promote((jnp.asarray(inputs), kernel, bias), dtype=dtype)
+        return (*promote((jnp.asarray(inputs), kernel, bias), dtype=dtype), None)
     dtype = flax_dtypes.canonicalize_dtype(inputs, kernel, bias, dtype=dtype)
-    return jnp.asarray(inputs, dtype), kernel, bias
+    inputs = jnp.asarray(inputs)
+    if not jnp.issubdtype(inputs.dtype, jnp.floating):
+        inputs = inputs.astype(dtype)
+    return inputs, kernel, bias, dtype
 
 
 def _tuple(x) -> tuple[int, ...]:
@@ -312,7 +317,7 @@ class LinearGeneral(_Site):
     def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
         _no_sharding("LinearGeneral", out_sharding)
         with self._scope():  # the promotion's casts are the site's (tier 2 names it)
-            inputs, kernel, bias = _promoted(
+            inputs, kernel, bias, dtype = _promoted(
                 self.promote_dtype, inputs, self.kernel[...], _value(self.bias), self.dtype
             )
             return ops.linear(
@@ -323,6 +328,7 @@ class LinearGeneral(_Site):
                 precision=self.precision,
                 preferred_element_type=self.preferred_element_type,
                 contract=len(self.in_features),
+                dtype=dtype,
             )
 
 
@@ -378,8 +384,10 @@ class Embed(_Site):
         """``query @ embedding.T``: logits over the embeddings (gear-switched)."""
         _no_sharding("Embed.attend", out_sharding)
         with self._scope():
-            q, emb, _ = _promoted(self.promote_dtype, query, self.embedding[...], None, self.dtype)
-            return ops.linear(q, emb.T, None, gear=self._gear())
+            q, emb, _, dtype = _promoted(
+                self.promote_dtype, query, self.embedding[...], None, self.dtype
+            )
+            return ops.linear(q, emb.T, None, gear=self._gear(), dtype=dtype)
 
 
 def _check_last_axis(reduction_axes, feature_axes, name):

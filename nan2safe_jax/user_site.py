@@ -119,7 +119,10 @@ class Site(nnx.Module):
         _check_paths_agree(self.site_name, self.paths, [path(f) for f in self.paths], operands)
         with site_scope(self.site_name), branch_site(self.site_name):
             out = ops.switch(self._gear(), [path(f) for f in self.paths], *operands)
-            if self.probe_output is not None:
+            # A plain JAX transform that closes over the site (``jax.grad`` of a merged model
+            # whose state is closed over) cannot mutate it: the probe, an observation, is left
+            # as it was there, as flax's own layers and ``nn``'s sites do.
+            if self.probe_output is not None and getattr(self.probe_output, "_can_update", True):
                 # not ``leaves``: the paths read that name when the backward recomputes them
                 outs = jax.tree_util.tree_leaves(out)
                 floats = [x for x in outs if jnp.issubdtype(x.dtype, jnp.floating)]

@@ -94,17 +94,35 @@ def test_global_safe_returns_to_stable_after_dwell():
     assert int(gs.level) == Gear.STABLE
 
 
-@pytest.mark.parametrize("bad", [3, -1, "fast", None])
+@pytest.mark.parametrize("bad", [3, -1, "fast", None, 1.5, 2.0, True, jnp.float32(1)])
 def test_bad_gear_or_site_raises(bad):
+    """Floats and bools are refused too: ``int`` truncated 1.5 to STABLE and took True for 1."""
     with pytest.raises(ValueError, match="gear"):
         G.set_level(_state(), bad)
+    with pytest.raises(ValueError, match="gear"):
+        G.set_site(_state(), "attn", bad)
     with pytest.raises(ValueError, match="unknown site"):
         G.set_site(_state(), "nope", Gear.SAFE)
+
+
+@pytest.mark.parametrize("good", [2, Gear.SAFE, np.int64(2), jnp.int32(2)])
+def test_a_gear_given_as_any_integer_is_taken(good):
+    assert int(G.set_site(_state(), "attn", good).sites["attn"]) == Gear.SAFE
 
 
 def test_index_into_scalar_site_raises():
     with pytest.raises(ValueError, match="not stacked"):
         G.set_site(_state(), "attn", Gear.SAFE, index=0)
+
+
+@pytest.mark.parametrize("index", [4, 10, -5, 1.0])
+def test_an_index_past_a_stack_raises_instead_of_changing_nothing(index):
+    """``.at[i].set`` drops an out-of-range write: ``index=6`` of a 6-layer stack left every
+    gear FAST, silently."""
+    with pytest.raises(ValueError, match=r"stacks 4 layers"):
+        G.set_site(_state(), "blocks.norm", Gear.SAFE, index=index)
+    last = G.set_site(_state(), "blocks.norm", Gear.SAFE, index=-1)
+    assert np.asarray(last.sites["blocks.norm"]).tolist() == [0, 0, 0, 2]
 
 
 def test_gear_state_round_trips_through_jit():

@@ -220,17 +220,18 @@ def test_fault_injection_and_one_layer_safe(tiny):
 
 
 def _fp16_layer(kind):
-    """``(layer, x, weight path, f32 forward)`` of an fp16 layer with f32 weights."""
+    """``(layer, x, weight path, f32 forward of (weights, x))`` of an fp16 layer with f32
+    weights."""
     rngs, x = nnx.Rngs(0), jnp.asarray(np.full((2, 4), 1e-3), jnp.float16)
     if kind == "Linear":
         layer = nn.Linear(4, 3, dtype=jnp.float16, rngs=rngs)
-        return layer, x, "kernel", lambda w: x.astype(jnp.float32) @ w + layer.bias[...]
+        return layer, x, "kernel", lambda w, x=x: x.astype(jnp.float32) @ w + layer.bias[...]
     if kind == "LinearGeneral":
         layer = nn.LinearGeneral(4, (3, 2), dtype=jnp.float16, rngs=rngs)
-        ref = lambda w: jnp.einsum("bi,ijk->bjk", x.astype(jnp.float32), w) + layer.bias[...]
+        ref = lambda w, x=x: jnp.einsum("bi,ijk->bjk", x.astype(jnp.float32), w) + layer.bias[...]
         return layer, x, "kernel", ref
     layer = nn.Embed(3, 4, dtype=jnp.float16, rngs=rngs)
-    return layer, x, "embedding", lambda w: x.astype(jnp.float32) @ w.T
+    return layer, x, "embedding", lambda w, x=x: x.astype(jnp.float32) @ w.T
 
 
 @pytest.mark.parametrize("kind", ["Linear", "LinearGeneral", "Embed.attend"])
@@ -250,6 +251,29 @@ def test_an_fp16_layer_whose_f32_weight_overflows_the_cast_is_located_and_safe_c
         out[g] = call(x)
     assert out[0].dtype == out[2].dtype == jnp.float16 and not _finite(out[0])
     np.testing.assert_allclose(np.asarray(out[2], np.float32), ref(w[...]), rtol=2e-3, atol=1e-3)
+    layer.gear[...] = jnp.asarray(0, layer.gear[...].dtype)
+    report = replay.locate(jax.make_jaxpr(call)(x), (x,))
+    assert report.primitive == "convert_element_type" and report.site == type(layer).__name__
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LinearGeneral", "Embed.attend"])
+def test_an_fp16_layer_whose_f32_input_overflows_the_cast_is_located_and_safe_computes_it(kind):
+    """An f32 input past 65504 into an fp16 layer: the promotion to fp16 is inside the gears,
+    so SAFE computes from the f32 input (a cast before the gear was chosen made it inf at
+    every gear: "failed again in SAFE", rollbacks, doubling stays)."""
+    from nan2safe_jax import replay
+
+    layer, x, name, ref = _fp16_layer(kind)
+    x = x.astype(jnp.float32).at[0, 1].set(1e5)
+    call = layer.attend if kind == "Embed.attend" else layer
+    out = {}
+    for g in (0, 2):
+        layer.gear[...] = jnp.asarray(g, layer.gear[...].dtype)
+        out[g] = call(x)
+    assert out[0].dtype == out[2].dtype == jnp.float16 and not _finite(out[0])
+    assert _finite(out[2])
+    want = np.clip(ref(getattr(layer, name)[...], x), -65504, 65504)  # the saturating cast back
+    np.testing.assert_allclose(np.asarray(out[2], np.float32), want, rtol=2e-3, atol=1e-3)
     layer.gear[...] = jnp.asarray(0, layer.gear[...].dtype)
     report = replay.locate(jax.make_jaxpr(call)(x), (x,))
     assert report.primitive == "convert_element_type" and report.site == type(layer).__name__

@@ -258,3 +258,23 @@ def test_site_in_a_vmapped_stack_has_a_layer_gear_and_static_kwargs():
 
     y = run(stack, jnp.full((2,), 1.5))
     np.testing.assert_allclose(y, 1.5**8)
+
+
+@pytest.mark.parametrize("transform", ["jit", "grad", "vmap"])
+def test_a_probed_site_closed_over_by_a_plain_transform_runs_and_keeps_its_probe(transform):
+    """A plain JAX transform that closes over a site cannot mutate it: the probe is left as it
+    was (flax's layers and ``nn``'s sites do so), where writing it raised
+    ``TraceContextError``."""
+    site = nn.Site(lambda x: x * 2, safe=lambda x: x * 2, probe=True)
+    x = jnp.arange(8, dtype=jnp.float32).reshape(2, 4)
+    site(x)  # eager: writes the probe
+    before = np.asarray(site.probe_output[...])
+    if transform == "jit":
+        out = jax.jit(lambda x: site(x))(x)
+        np.testing.assert_array_equal(out, 2 * x)
+    elif transform == "grad":
+        g = jax.grad(lambda x: site(x).sum())(x)
+        np.testing.assert_array_equal(g, jnp.full_like(x, 2.0))
+    else:
+        np.testing.assert_array_equal(jax.vmap(site)(x), 2 * x)
+    np.testing.assert_array_equal(np.asarray(site.probe_output[...]), before)

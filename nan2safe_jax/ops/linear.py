@@ -49,32 +49,34 @@ def _in_dtype(x, kernel, bias):
     return kernel.astype(x.dtype), None if bias is None else bias.astype(x.dtype)
 
 
-def _linear_fast(x, kernel, bias, *, n, precision, pet):
+def _linear_fast(x, kernel, bias, *, n, precision, pet, cdtype):
+    x = x.astype(cdtype)
     kernel, bias = _in_dtype(x, kernel, bias)
     kw = {} if pet is None else {"preferred_element_type": pet}
     y = lax.dot_general(x, kernel, _dims(x, n), precision=precision, **kw)
     return _add_bias(y, bias)
 
 
-def _out_dtype(x, pet):
-    return jnp.dtype(x.dtype if pet is None else pet)
+def _out_dtype(cdtype, pet):
+    return jnp.dtype(cdtype if pet is None else pet)
 
 
-def _linear_stable(x, kernel, bias, *, n, precision, pet):
+def _linear_stable(x, kernel, bias, *, n, precision, pet, cdtype):
+    x = x.astype(cdtype)
     kernel, bias = _in_dtype(x, kernel, bias)
     y = lax.dot_general(x, kernel, _dims(x, n), precision=precision, preferred_element_type=_F32)
     y = _add_bias(y, None if bias is None else bias.astype(_F32))
-    return _saturate(y, _out_dtype(x, pet))
+    return _saturate(y, _out_dtype(cdtype, pet))
 
 
-def _linear_safe(x, kernel, bias, *, n, precision, pet):
+def _linear_safe(x, kernel, bias, *, n, precision, pet, cdtype):
     del precision
     xf, kf = x.astype(_F32), kernel.astype(_F32)
     ex, ek = _range_exponent(xf), _range_exponent(kf)
     y = lax.dot_general(xf * _pow2(-ex), kf * _pow2(-ek), _dims(x, n), precision=_HIGHEST)
     y = y * _pow2(ex) * _pow2(ek)
     y = _add_bias(y, None if bias is None else bias.astype(_F32))
-    return _saturate(y, _out_dtype(x, pet))
+    return _saturate(y, _out_dtype(cdtype, pet))
 
 
 def linear(
@@ -86,6 +88,7 @@ def linear(
     precision: Any = None,
     preferred_element_type: Any = None,
     contract: int = 1,
+    dtype: Any = None,
 ) -> jax.Array:
     """``x @ kernel + bias``, contracting the last ``contract`` axes of ``x``.
 
@@ -100,9 +103,13 @@ def linear(
       precision: ``lax.Precision`` for FAST/STABLE (SAFE always uses HIGHEST).
       preferred_element_type: FAST's accumulation and output dtype (flax's argument).
       contract: how many trailing axes of ``x`` are contracted (``LinearGeneral``'s axes).
+      dtype: the dtype FAST and STABLE compute in (None: ``x``'s float dtype). ``x`` is cast
+        to it inside those paths (flax's ``promote_dtype`` of the input), so SAFE reads ``x``
+        as given, in f32: an fp16 layer's f32 input past 65504 stays finite there, where a
+        cast before the gear is chosen made it inf at every gear.
 
     Returns:
-      ``[..., *out_shape]`` in ``preferred_element_type`` or ``x``'s float dtype, every gear.
+      ``[..., *out_shape]`` in ``preferred_element_type`` or the compute dtype, every gear.
     """
     x, kernel = jnp.asarray(x), jnp.asarray(kernel)
     x = x.astype(_float_dtype(x))
@@ -114,9 +121,10 @@ def linear(
             f"out...], got {kernel.shape}"
         )
     pet = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
-    kw = dict(n=n, precision=precision, pet=pet)
+    cdtype = x.dtype if dtype is None else jnp.dtype(dtype)
+    kw = dict(n=n, precision=precision, pet=pet, cdtype=cdtype)
     branches = [functools.partial(f, **kw) for f in (_linear_fast, _linear_stable, _linear_safe)]
-    if _stable_is_fast(x.dtype, pet):
+    if _stable_is_fast(cdtype, pet):
         branches[1] = branches[0]  # one path for both gears: XLA compiles it once
     return switch(gear, branches, x, kernel, bias)
 
