@@ -157,10 +157,11 @@ class Config:
             "in [0, 1]",
         )
         _check(
-            is_int(self.min_history) and 3 <= self.min_history,
+            is_int(self.min_history) and 3 <= self.min_history <= 2**30,
             "min_history",
             self.min_history,
-            "an int >= 3 (the second difference needs three samples)",
+            "an int in [3, 2**30] (the second difference needs three samples; the detector "
+            "counts samples up to 2**30)",
         )
         _check(
             is_num(self.headroom_limit) and 0 < self.headroom_limit <= 1,

@@ -168,11 +168,14 @@ def damaged_report(state) -> Report:
     """The report of a state that already holds a non-finite value before the step runs."""
     where = first_nonfinite(state)
     leaf = _leaf_at(state, where) if where is not None else None
+    a = None if leaf is None else np.asarray(leaf)
+    wide = None if a is None else a.astype(np.complex128 if np.iscomplexobj(a) else np.float64)
+    nan = wide is not None and bool(np.isnan(wide).any())
     return Report.no_equation(
-        kind="nan",
+        kind="nan" if nan or leaf is None else "inf",
         inputs=[] if leaf is None else [array_stats(leaf)],
         channels={},
-        diagnosis="polluted input",
+        diagnosis="damaged state",
         explanation=(
             f"the training state holds a non-finite value at {where} before the step runs: "
             "a damaged state (bit flip, poisoned statistic); roll back to a finite checkpoint"

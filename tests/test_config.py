@@ -46,6 +46,7 @@ def test_frozen_and_hashable():
         ("z_threshold", float("nan")),
         ("diff_threshold", -1.0),
         ("min_history", 2),
+        ("min_history", 2**30 + 1),
         ("false_alarm_rate", 0.0),
         ("false_alarm_rate", 0.5),
         ("false_alarm_rate", float("inf")),

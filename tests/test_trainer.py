@@ -255,7 +255,8 @@ def test_damaged_state_is_rolled_back_and_never_trained_on(tmp_path):
         rb = [e for e in ev if e["type"] == "rollback"]
         assert len(rb) == 1 and rb[0]["to_step"] == 5 and rb[0]["cause"] == "damaged"
         assert rb[0]["step"] == 7 and rb[0]["missing"] == []
-        assert any(e["type"] == "damaged" for e in ev)
+        (damaged,) = [e for e in ev if e["type"] == "damaged"]
+        assert damaged["report"]["diagnosis"] == "damaged state"  # not the data's "polluted input"
         # Steps 5 and 6 ran again from the ring buffer, then 7 (the failing batch) onwards.
         replayed = [h["step"] for h in hist if h.get("replay")]
         assert replayed == [5, 6, 7]

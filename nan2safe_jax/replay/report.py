@@ -20,6 +20,7 @@ DIAGNOSES = (
     "division by ~0",
     "log/sqrt domain",
     "polluted input",
+    "damaged state",
     "constant",
     "other",
 )
@@ -150,8 +151,8 @@ class Report:
 
     def __str__(self) -> str:
         lines = []
-        if self.diagnosis == "polluted input":
-            lines.append(f"polluted input: argument {self.input_path} holds {self.kind} values")
+        if self.diagnosis in ("polluted input", "damaged state"):
+            lines.append(f"{self.diagnosis}: {self.input_path} holds {self.kind} values")
         elif not self.reproducible:
             lines.append(self.diagnosis)
             if self.reason and self.reason != self.diagnosis:

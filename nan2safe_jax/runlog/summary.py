@@ -63,8 +63,8 @@ def _incident_label(event: Mapping[str, Any]) -> str:
     diagnosis = rep.get("diagnosis")
     if rep.get("reproducible") is False:
         return "not reproducible"
-    if diagnosis == "polluted input":
-        return f"polluted input {rep.get('input_path') or ''}".rstrip()
+    if diagnosis in ("polluted input", "damaged state"):
+        return f"{diagnosis} {rep.get('input_path') or ''}".rstrip()
     where = rep.get("site") or rep.get("name_stack") or rep.get("source") or "?"
     prim = rep.get("primitive") or "?"
     detail = [d for d in (diagnosis,) if d]
