@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[1]
+_DESCRIPTION = "nan2safe command line: demo, locate, report, bench (each has --help)."
 
 
 def _demo(args) -> int:
@@ -25,6 +26,7 @@ def _demo(args) -> int:
 
 def _locate(args) -> int:
     from nan2safe_jax import replay
+    from nan2safe_jax.checkpoint import CheckpointMismatchError
     from nan2safe_jax.train import TrainState, make_train_step
     from nan2safe_jax.trainer import load_factory, load_incident
 
@@ -55,6 +57,14 @@ def _locate(args) -> int:
     template = TrainState.create(model, tx, cfg)
     try:
         state, batch = load_incident(workdir, args.step, template)
+    except CheckpointMismatchError as err:
+        print(
+            f"the factory {spec!r} builds another state than the run saved at step "
+            f"{args.step} ({str(err).split(': ', 1)[-1].split('. ')[0]}); pass the factory "
+            "of the model and optimizer the run trained",
+            file=sys.stderr,
+        )
+        return 2
     except FileNotFoundError as err:
         print(err, file=sys.stderr)
         why = _why_not_saved(workdir, args.step)
@@ -138,9 +148,12 @@ def _report(args) -> int:
 
 
 def _bench(args) -> int:
+    have = sorted(p.stem for p in (_REPO / "benchmarks").glob("*.py") if p.stem[0] != "_")
+    if args.name is None:
+        print(f"nan2safe bench NAME [ARGS...]: name one of {have}", file=sys.stderr)
+        return 2
     script = _REPO / "benchmarks" / f"{args.name}.py"
     if not script.exists():
-        have = sorted(p.stem for p in (_REPO / "benchmarks").glob("*.py"))
         print(f"no benchmark {args.name!r}; have {have}", file=sys.stderr)
         return 2
     sys.argv = [str(script), *args.rest]
@@ -149,7 +162,7 @@ def _bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nan2safe", description=__doc__)
+    parser = argparse.ArgumentParser(prog="nan2safe", description=_DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser(
@@ -182,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
 
     names = sorted(p.stem for p in (_REPO / "benchmarks").glob("*.py") if p.stem[0] != "_")
     bench = sub.add_parser("bench", help="run benchmarks/NAME.py with the given arguments")
-    bench.add_argument("name", help=f"one of {', '.join(names)} (a checkout's benchmarks/)")
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.add_argument(
+        "name", nargs="?", help=f"one of {', '.join(names)} (a checkout's benchmarks/)"
+    )
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
     bench.set_defaults(fn=_bench)
 
     args = parser.parse_args(argv)

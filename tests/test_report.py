@@ -431,3 +431,24 @@ def test_demo_refuses_a_workdir_that_holds_something_else(tmp_path, capsys):
     (tmp_path / "old_demo").mkdir()
     (tmp_path / "old_demo" / "run.json").write_text('{"factory": "examples.demo:factory"}')
     assert demo._earlier_demo(tmp_path / "old_demo") and not demo._earlier_demo(mine)
+
+
+def test_cli_bench_without_a_name_and_locate_with_another_models_factory_say_so(tmp_path, capsys):
+    """``nan2safe bench`` alone lists the benchmarks (argparse called the optional arguments
+    required); ``locate --factory`` of another model ends in one line, rc 2, not a traceback."""
+    import optax
+    from flax import nnx
+    from tiny_models import Net
+
+    from nan2safe_jax import Config, Trainer, TrainState, cli
+
+    assert cli.main(["bench"]) == 2
+    err = capsys.readouterr().err
+    assert "name one of" in err and "overhead" in err
+    state = TrainState.create(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), Config())
+    batch = (np.zeros((2, 16), np.float32), np.zeros((2, 1), np.float32))
+    Trainer._save_incident(types.SimpleNamespace(workdir=tmp_path), 3, state, batch)
+    argv = ["locate", str(tmp_path), "--step", "3", "--factory", "tiny_models:make_fragile"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "builds another state than the run saved at step 3" in err and "Traceback" not in err
