@@ -168,6 +168,8 @@ def _check_gear(gear) -> int:
     """``gear`` as an int 0-2; a float, a bool or any other value is a ``ValueError`` (``int``
     would truncate ``1.5`` to STABLE and take ``True`` for 1; ``ops.switch`` refuses them)."""
     said = f"gear must be one of Gear.FAST/STABLE/SAFE (0, 1, 2), got {gear!r}"
+    if isinstance(gear, jax.core.Tracer):
+        raise ValueError(f"{said}: a traced value (gears are set on the host, between steps)")
     dtype = getattr(gear, "dtype", None)
     integral = isinstance(gear, (int, np.integer)) and not isinstance(gear, (bool, np.bool_))
     if dtype is not None and np.ndim(gear) == 0:
@@ -178,6 +180,27 @@ def _check_gear(gear) -> int:
     if g not in (0, 1, 2):
         raise ValueError(said)
     return g
+
+
+def _check_index(name: str, index, size: int) -> None:
+    """Refuses an index into a stack of ``size`` layers that is not an integer in range.
+
+    ``.at[i].set`` drops an out-of-range write, so such a call changed nothing, silently. An
+    integer array of one element is an index; a bool is not (it would select every layer).
+    A traced index (``set_site`` inside a jitted function of the user's) is taken as given.
+    """
+    if isinstance(index, jax.core.Tracer):
+        return
+    dtype = getattr(index, "dtype", None)
+    if dtype is not None:
+        integral = np.ndim(index) == 0 and jnp.issubdtype(dtype, jnp.integer)
+    else:
+        integral = isinstance(index, (int, np.integer)) and not isinstance(index, bool)
+    if not integral or not -size <= int(index) < size:
+        raise ValueError(
+            f"site {name!r} stacks {size} layers; index must be an int in [{-size}, {size}), "
+            f"got {index!r}"
+        )
 
 
 def _inc(x: jax.Array, by=1) -> jax.Array:
@@ -256,12 +279,7 @@ def set_site(
     else:
         if cur.ndim == 0:
             raise ValueError(f"site {name!r} is not stacked; index must be None, got {index!r}")
-        # ``.at[i].set`` drops an out-of-range write: the call would change nothing, silently.
-        if not isinstance(index, (int, np.integer)) or not -len(cur) <= int(index) < len(cur):
-            raise ValueError(
-                f"site {name!r} stacks {len(cur)} layers; index must be an int in "
-                f"[{-len(cur)}, {len(cur)}), got {index!r}"
-            )
+        _check_index(name, index, len(cur))
         sel = jnp.zeros(cur.shape, bool).at[index].set(True)
     entries = gs.safe_entries[name]
     if g == Gear.SAFE:

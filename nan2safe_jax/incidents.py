@@ -7,9 +7,9 @@ its newest finite checkpoint. It writes nothing and keeps no state; the Trainer 
 (docs/design.md, "Tier 2").
 
 Outcomes (``Decision.kind``):
-  - ``"polluted_input"``: the batch holds a NaN, a ``+inf`` (``-inf`` is a mask fill) or an
-    out-of-range label. The step
-    was skipped on device; nothing in the model is at risk, so no gear changes.
+  - ``"polluted_input"``: the batch holds a NaN, a ``+inf``, a ``-inf`` in a step that went
+    non-finite (a healthy step trains on ``-inf``, a mask fill) or an out-of-range label. The
+    step was skipped on device; nothing in the model is at risk, so no gear changes.
   - ``"damaged"``: the state the step started from holds a non-finite value (a flipped bit, a
     poisoned statistic). Training on it is pointless: roll back.
   - ``"located"``: the replay found the culprit equation; its site goes to SAFE and training
@@ -86,22 +86,35 @@ def polluted_report(batch) -> Report:
 
     Raises:
       ValueError: the batch is finite.
+
+    A leaf holding a NaN or ``+inf`` comes first, and only those values are counted (a ``-inf``
+    mask beside them is no fault); a batch holding only ``-inf`` is named when the step went
+    non-finite with it (the train step's ``polluted``).
     """
     where = first_nan_or_plus_inf(batch)
+    minus_inf = where is None
+    if minus_inf:
+        where = first_nonfinite(batch)
     if where is None:
-        raise ValueError("polluted_report: the batch holds no NaN or +inf")
+        raise ValueError("polluted_report: the batch is finite")
     leaf = _leaf_at(batch, where)
     a = np.asarray(leaf, np.float64)
-    chans, cut = channel_scan(a)
-    stats = array_stats(leaf)
+    bad = ~np.isfinite(a) if minus_inf else np.isnan(a) | np.isposinf(a)
+    chans, cut = channel_scan(np.where(bad, np.nan, 0.0))
+    what = (
+        "-inf value(s), and the step went non-finite with them (a mask fill the model could "
+        "not take, e.g. a fully masked row, or corrupted data)"
+        if minus_inf
+        else "NaN / +inf value(s)"
+    )
     return Report.no_equation(
         kind="nan" if np.isnan(a).any() else "inf",
-        inputs=[stats],
+        inputs=[array_stats(leaf)],
         channels=chans,
         channels_truncated=cut,
         diagnosis="polluted input",
         explanation=(
-            f"batch leaf {where} holds {stats['nonfinite']} non-finite value(s) in rows "
+            f"batch leaf {where} holds {int(bad.sum())} {what} in rows "
             f"{chans.get(0, [])[:16]}: the data, not the model"
         ),
         replays=0,

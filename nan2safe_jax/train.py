@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from nan2safe_jax import detector as det_lib
@@ -316,8 +317,9 @@ def train_step(
     count and streak grow). After a bad update (finite gradients, a non-finite change) the
     whole optimizer state is kept. A batch with a NaN or ``+inf`` is data, not a fault
     (``metrics["polluted"]``): it is skipped with the gears and the whole optimizer state,
-    loss scale included, untouched. A ``-inf`` in the batch is a value (an additive mask's
-    fill), as it is to the probes: the step trains on it.
+    loss scale included, untouched. A ``-inf`` in the batch (an additive mask's fill) is a
+    value, as it is to the probes: the step trains on it, and only a step that goes
+    non-finite with it is a polluted batch.
     """
     if partitioned:
         with probe_lib.partitioned():
@@ -336,9 +338,10 @@ def train_step(
     gs = gear_lib.known_fast(state.gear) if fast_only else state.gear
     site = _site_state(state, fast_only, fast_sites)
     scale = guard_lib.loss_scale_of(state.opt_state)
-    # One reduction over the batch's floating leaves; under sharding it is a global reduction in
-    # the one SPMD program, so every process reads the same verdict. A -inf is a mask fill.
-    polluted = ~numerics.no_nan_or_plus_inf(batch)
+    # Reductions over the batch's floating leaves; under sharding global reductions in the one
+    # SPMD program, so every process reads the same verdict (``polluted`` below).
+    clean_batch = numerics.no_nan_or_plus_inf(batch)
+    finite_batch = numerics.all_finite(batch)
 
     def scaled_loss(params):
         loss, probes, new_rest, aux = _forward(state, site, params, batch, loss_fn, has_aux)
@@ -358,6 +361,11 @@ def train_step(
     sgrad_sq = numerics.sum_of_squares(sgrads, large_sum=large_sum, replicated=replicated)
     grads_finite = jnp.isfinite(sgrad_sq)
     finite = jnp.isfinite(loss32) & grads_finite
+    # A NaN or +inf in the batch is data, not a fault. A -inf is the conventional mask fill
+    # (an additive attention bias): data only when the step went non-finite with it (a mask
+    # the model could not take, or corrupted data), so a healthy masked batch trains and a
+    # failing one is blamed on the batch, never on an op.
+    polluted = ~clean_batch | (~finite_batch & ~finite)
     # A finite loss whose scaled gradients overflow is the dynamic loss scale's business: skip
     # and back off. Only when that repeats (or the loss itself is bad) is it an incident.
     # After OVERFLOW_GRACE overflows in a row the first downshift also cuts the scale by
@@ -623,7 +631,8 @@ def make_train_step(
       ``f32[NUM_STATS]`` statistics, in the detector's order; probe -> risk),
       ``site_gears`` and ``next_all_fast`` (the next step's program); the flags ``finite``,
       ``overflow``, ``incident`` (a non-finite step the model made: tier 2's case),
-      ``polluted`` (a NaN or ``+inf`` in the batch; ``-inf`` is a mask fill), ``bad_update``,
+      ``polluted`` (a NaN or ``+inf`` in the batch, or a ``-inf`` there in a non-finite step;
+      a healthy step trains on ``-inf``, a mask fill), ``bad_update``,
       ``bad_rest`` and ``next_gear``. A skipped step's ``loss`` is what it computed (NaN or
       inf): a loop of your own averages the losses of the steps with ``skipped`` False. The
       step does not undo a downshift that a data fault it cannot see as data caused (an empty
@@ -702,18 +711,28 @@ def make_train_step(
     def probe_names(state, batch):
         seen = []
 
-        def trace(params, site, batch):
+        # The batch's arrays are arguments, as in the step: closed over, a NumPy leaf is a
+        # constant of the trace, which a site's ``custom_vjp`` under ``vmap`` refuses. Its
+        # other leaves (a Python bool the loss branches on) stay as they are, as in an eager
+        # step (``jit=False``).
+        leaves, treedef = jax.tree_util.tree_flatten(batch)
+        is_array = [isinstance(x, (np.ndarray, np.generic, jax.Array)) for x in leaves]
+
+        def trace(params, site, arrays):
+            given = iter(arrays)
+            full = [next(given) if a else x for x, a in zip(leaves, is_array, strict=True)]
+            batch = jax.tree_util.tree_unflatten(treedef, full)
             _, blocks, _, _ = _forward(state, site, params, batch, loss_fn, has_aux)
             seen.append(tuple(n for b in blocks for n in b.names))
             return 0
 
-        # The batch is an argument, as in the step: closed over, a NumPy leaf is a constant of
-        # the trace, which a site's ``custom_vjp`` under ``vmap`` refuses.
-        jax.eval_shape(trace, state.params, _site_state(state), batch)
+        arrays = [x for x, a in zip(leaves, is_array, strict=True) if a]
+        jax.eval_shape(trace, state.params, _site_state(state), arrays)
         return seen[0] + BUILTIN_PROBES
 
     def step(state: TrainState, batch):
-        if jit and any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(state)):
+        traced = jax.tree_util.tree_leaves((state, batch))
+        if jit and any(isinstance(x, jax.core.Tracer) for x in traced):
             raise TypeError(
                 "make_train_step: the step runs on the host (it commits the state and picks a "
                 "compiled program) and cannot be traced by jax.jit / vmap / grad: pass "

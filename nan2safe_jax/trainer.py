@@ -164,8 +164,8 @@ class Trainer:
       lr_schedule: the optimizer's schedule, for the detector's cool-down (optional; see
         ``make_train_step`` for the count it is called with).
       factory: ``"module:function"`` returning ``(model, tx, loss_fn, cfg)``; recorded so that
-        ``nan2safe locate WORKDIR --step N`` can rebuild the step offline (None keeps the one
-        the workdir recorded).
+        ``nan2safe locate WORKDIR --step N`` can rebuild the step offline (None, resuming,
+        keeps the one the workdir recorded).
       resume: resume from the newest good checkpoint in ``workdir`` (default True). False on
         a workdir that holds checkpoints is a ``ValueError``: a new run there would overwrite
         and mix them.
@@ -279,8 +279,9 @@ class Trainer:
         self._last_sites: dict[str, Any] = {}
         self._last_level: int | None = None
         record = self.workdir / "run.json"
-        if factory is None and record.exists():
-            # Opening a run to read it back must not lose what `nan2safe locate` rebuilds from.
+        if factory is None and resume and record.exists():
+            # Opening a run to read it back must not lose what `nan2safe locate` rebuilds from
+            # (a new run, ``resume=False``, records its own).
             factory = json.loads(record.read_text()).get("factory")
         run = {"factory": factory, "config": dataclasses.asdict(self.cfg), "has_aux": has_aux}
         if resume:
@@ -479,8 +480,9 @@ class Trainer:
                     discard -= 1
                     continue
                 running = None if batch is _END else self._dispatch(batch, replayed)
-                if inflight is not None:
-                    restart = self._finish(inflight, history, bar)
+                done, inflight = inflight, running
+                if done is not None:
+                    restart = self._finish(done, history, bar)
                     self._beat()
                     if restart is not None:
                         # The state was replaced: the step just dispatched ran on the old one.
@@ -493,7 +495,6 @@ class Trainer:
                         continue
                 if running is None:
                     break
-                inflight = running
         except NanIncidentError as err:
             err.history = history
             raise
@@ -503,6 +504,10 @@ class Trainer:
                 raise
             self.log.append("error", self.step, detail=str(lost))
             raise lost from err
+        except BaseException as err:  # the data, the loss function, Ctrl-C
+            if inflight is not None:
+                self._finish_before_raising(inflight, history, bar, err)
+            raise
         finally:
             if self._watchdog is not None:  # no thread outlives ``fit``
                 self._watchdog.stop()
@@ -511,6 +516,26 @@ class Trainer:
                 bar.close()
             self.checkpoints.wait()
         return history
+
+    def _finish_before_raising(self, done: _Step, history: list, bar, err: BaseException):
+        """Finishes the step in flight when ``fit`` is left by an exception (the data source
+        raised, ``loss_fn`` failed on a new batch, Ctrl-C): that step has trained (the state
+        and the counter moved on), so its record, its checkpoint and, for a fault, tier 2 are
+        due. Without this a resume started a step short and a fault in that step went
+        unhandled, its downshift and loss-scale cut kept. A state tier 2 replaces (new gears,
+        a rollback) becomes the trainer's; its replayed batches are not run (the next ``fit``
+        goes on from ``self.step``). A failure here is logged, and ``err`` raised all the same.
+        """
+        try:
+            restart = self._finish(done, history, bar)
+            if restart is not None:
+                self.state, self.step = restart.state, int(restart.state.step)
+        except Exception as also:  # noqa: BLE001 - the first exception is the one raised
+            self.log.append(
+                "error",
+                self.step,
+                detail=f"finishing step {done.step} after {type(err).__name__}: {also!r}",
+            )
 
     def _dispatch(self, batch, replayed: bool) -> _Step:
         """Runs the step on the current state (asynchronously) and advances the counter.

@@ -115,7 +115,7 @@ def test_index_into_scalar_site_raises():
         G.set_site(_state(), "attn", Gear.SAFE, index=0)
 
 
-@pytest.mark.parametrize("index", [4, 10, -5, 1.0])
+@pytest.mark.parametrize("index", [4, 10, -5, 1.0, True, jnp.int32(4), np.array([1])])
 def test_an_index_past_a_stack_raises_instead_of_changing_nothing(index):
     """``.at[i].set`` drops an out-of-range write: ``index=6`` of a 6-layer stack left every
     gear FAST, silently."""
@@ -123,6 +123,13 @@ def test_an_index_past_a_stack_raises_instead_of_changing_nothing(index):
         G.set_site(_state(), "blocks.norm", Gear.SAFE, index=index)
     last = G.set_site(_state(), "blocks.norm", Gear.SAFE, index=-1)
     assert np.asarray(last.sites["blocks.norm"]).tolist() == [0, 0, 0, 2]
+    for i in (np.int64(1), jnp.int32(1), np.array(1)):
+        one = G.set_site(_state(), "blocks.norm", Gear.SAFE, index=i)
+        assert np.asarray(one.sites["blocks.norm"]).tolist() == [0, 2, 0, 0]
+    traced = jax.jit(lambda gs, i: G.set_site(gs, "blocks.norm", Gear.SAFE, index=i))
+    assert np.asarray(traced(_state(), 2).sites["blocks.norm"]).tolist() == [0, 0, 2, 0]
+    with pytest.raises(ValueError, match="traced value"):
+        jax.jit(lambda gs, g: G.set_level(gs, g))(_state(), 1)
 
 
 def test_gear_state_round_trips_through_jit():

@@ -352,19 +352,29 @@ def _masked_loss(model, batch):
     return jnp.sum(w[:, None] * jnp.square(model(x).astype(jnp.float32) - y))
 
 
-@pytest.mark.parametrize("fill", [-jnp.inf, jnp.inf, jnp.nan])
-def test_a_minus_inf_mask_in_the_batch_is_trained_on_and_nan_or_plus_inf_is_polluted(fill):
+@pytest.mark.parametrize(
+    "fill,rows",
+    [(-jnp.inf, 4), (jnp.inf, 4), (jnp.nan, 4), (-jnp.inf, 32)],
+    ids=["-inf mask", "+inf", "nan", "-inf everywhere"],
+)
+def test_a_minus_inf_mask_in_the_batch_is_trained_on_and_nan_or_plus_inf_is_polluted(fill, rows):
     """A ``-inf`` additive mask is a value (its loss and gradients are finite): the step trains
-    on it. A ``+inf`` or NaN in the batch is data that is not usable: skipped as polluted."""
+    on it (it was skipped as polluted every step, silently). A ``+inf`` or NaN in the batch is
+    data that is not usable, and so is a ``-inf`` the step went non-finite with (every row
+    masked: 0/0): skipped as polluted, the gears and the loss scale untouched."""
     x, y = _data(1)
-    bias = jnp.zeros(x.shape[1]).at[:4].set(fill)
+    bias = jnp.zeros(x.shape[1]).at[:rows].set(fill)
     state = _state()
     new, m = make_train_step(_masked_loss)(state, (x[0], y[0], bias))
-    usable = fill == -jnp.inf
+    usable = fill == -jnp.inf and rows < x.shape[1]
     assert bool(m["polluted"]) is not usable and bool(m["skipped"]) is not usable
-    assert bool(m["finite"]) is usable
+    assert bool(m["finite"]) is usable and not bool(m["incident"])
     moved = jax.tree_util.tree_map(lambda a, b: bool(jnp.any(a != b)), state.params, new.params)
     assert any(jax.tree_util.tree_leaves(moved)) is usable
+    assert int(new.gear.level) == Gear.FAST
+    assert float(nan2safe.optax.loss_scale_of(new.opt_state)) == float(
+        nan2safe.optax.loss_scale_of(state.opt_state)
+    )
 
 
 def test_a_fresh_state_can_be_donated_by_a_jit_of_the_users():

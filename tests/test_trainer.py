@@ -703,3 +703,21 @@ def test_an_incident_batch_holding_a_typed_prng_key_is_saved_and_loaded_back(tmp
     np.testing.assert_array_equal(back["raw"], batch["raw"])
     np.testing.assert_array_equal(back["x"], x[0])
     assert len(np.load(tmp_path / "incidents" / "step_3" / "batch.npz").files) == 4
+
+
+def test_an_exception_out_of_fit_finishes_the_step_in_flight_first(tmp_path):
+    """``fit`` runs step t before it records step t-1. A data source that raised at batch 5
+    left step 4 trained but never recorded: no metrics line, no checkpoint 5, and a resume
+    one checkpoint short (a fault in that step was never handled, its downshift kept)."""
+
+    def source():
+        yield from _batches(5)
+        raise OSError("corrupt shard")
+
+    with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run") as tr:
+        with pytest.raises(OSError, match="corrupt shard"):
+            tr.fit(source(), steps=8)
+        assert tr.step == 5 and int(tr.state.step) == 5
+        assert [m["step"] for m in read_metrics(tmp_path / "run")][-1] == 4
+        assert tr.checkpoints.steps() == [5]
+        assert len(tr.fit(_batches(2), steps=2)) == 2 and tr.step == 7

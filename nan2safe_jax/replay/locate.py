@@ -39,7 +39,7 @@ from nan2safe_jax.replay.report import (
     direction_of,
     opaque_why,
 )
-from nan2safe_jax.replay.search import Found, Session, first_flagged, polluting, search
+from nan2safe_jax.replay.search import Found, Session, first_flagged, search
 from nan2safe_jax.site import site_from_name_stack
 
 __all__ = ["locate", "locate_step"]
@@ -104,11 +104,8 @@ def locate(jaxpr: Any, args: Any) -> Report | None:
 
     Returns:
       None when no equation produces a non-finite value from finite inputs and no argument is
-      non-finite; else a ``Report``. An argument that already holds a NaN or ``+inf`` gives a
-      report with ``diagnosis == "polluted input"``, ``primitive=None`` and the argument's
-      ``keystr`` path. An argument holding ``-inf`` (an additive mask) is a value: the equation
-      its ``-inf`` leads to a NaN is named (``-inf - -inf`` on a fully masked row), and only
-      when no equation made a fault is the argument reported, as having carried it in.
+      non-finite; else a ``Report``. An argument that is already non-finite gives a report with
+      ``diagnosis == "polluted input"``, ``primitive=None`` and the argument's ``keystr`` path.
       An equation that turns NaN-free inputs into NaN (e.g. ``-inf - -inf`` after a ``-inf``
       mask on a fully masked row) is reported when it comes before every equation that turns
       finite inputs into a non-finite value.
@@ -221,9 +218,8 @@ def _locate(
     ns = jc.empty_name_stack()
     fl = sess.top_flags(top_jaxpr, list(consts), leaves, ns)
 
-    bad = polluting(fl.in_codes, leaves)
-    if bad:
-        return _polluted(sess, leaves_with_path, bad[0], t0)
+    if fl.in_codes is not None and fl.in_codes.any():
+        return _polluted(sess, leaves_with_path, int(np.nonzero(fl.in_codes)[0][0]), t0)
     why = None
     if expected is not None and fl.out_codes is not None:
         why = _mismatch(expected, fl.out_codes)
@@ -236,10 +232,6 @@ def _locate(
     first = first_flagged(fl)
     if first is not None:
         mode = first[1]
-    elif fl.in_codes is not None and fl.in_codes.any():
-        # Only -inf arguments (mask fills), and no equation made a fault from them: what is
-        # non-finite in the outputs is what an argument carried in.
-        return _polluted(sess, leaves_with_path, int(np.nonzero(fl.in_codes)[0][0]), t0)
     elif fl.literal.any() and fl.out_codes is not None and fl.out_codes.any():
         mode = "literal"  # non-finite outputs that no equation made: a literal carried them in
     else:

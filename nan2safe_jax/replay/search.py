@@ -39,18 +39,6 @@ from nan2safe_jax.replay import prefix as prefix_lib
 __all__ = ["Flags", "Found", "Item", "Session", "flatten", "search"]
 
 
-def polluting(in_codes: np.ndarray | None, leaves: list) -> list[int]:
-    """The arguments holding a NaN or ``+inf``, by index: those the flags replay coded
-    non-finite, read on the host. An argument holding only ``-inf`` (an additive mask's fill)
-    is a value the search runs through, as the probes and the train step read it
-    (``numerics.no_nan_or_plus_inf``); a fault it leads to is an equation's."""
-    from nan2safe_jax.numerics import holds_nan_or_plus_inf  # numerics imports the replay
-
-    if in_codes is None:
-        return []
-    return [int(i) for i in np.nonzero(in_codes)[0] if holds_nan_or_plus_inf(leaves[i])]
-
-
 @dataclasses.dataclass(frozen=True)
 class Item:
     """One flat equation of a level."""
@@ -326,8 +314,8 @@ class Session:
         lower = [np.asarray(x)[:stop] for x in lower]
         decided = prefix_lib.decide(upper[:2], lower[:2])
         in_codes = np.asarray(in_codes)
-        if decided is None and not polluting(in_codes, args):
-            return None  # nothing decided and no polluted argument: the whole level's flags
+        if decided is None and not in_codes.any():
+            return None
         root, nan, literal = (np.zeros(n, bool) for _ in range(3))
         if decided is not None:
             k, mode = decided
