@@ -8,7 +8,9 @@ the run's directory, and a restart skips most of the compile (README, "Compile t
 
 JAX keeps one cache per process, set through its config; this module only points it at a
 directory when nothing else has, so a user's own ``jax_compilation_cache_dir`` (or
-``JAX_COMPILATION_CACHE_DIR``) always wins.
+``JAX_COMPILATION_CACHE_DIR``) always wins. A directory it set for an earlier run of the
+process is moved to the new run's (a second workdir in a notebook): that run's restarts find
+their programs, and a first workdir deleted since costs no failed writes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,17 @@ import warnings
 from pathlib import Path
 
 import jax
+
+# The directory this module pointed JAX's cache at, if it did: a later run's Trainer (a second
+# workdir in the same process) moves the cache to its own, where a directory the user set is
+# kept.
+_ours: Path | None = None
+
+
+def set_by_user() -> bool:
+    """JAX's cache directory was set by the user (or the environment), not by ``enable``."""
+    now = current()
+    return now is not None and (_ours is None or now.resolve() != _ours.resolve())
 
 
 def current() -> Path | None:
@@ -50,7 +63,17 @@ def enable(path: str | os.PathLike) -> Path | None:
         raise ValueError(f"compile_cache: {str(path)!r} exists and is not a directory")
     if not jax.config.jax_enable_compilation_cache:
         return None
+    global _ours
     before = current()
+    if before is not None and not set_by_user() and before.resolve() != path.resolve():
+        # Set for an earlier run of this process (whose workdir may be gone): this run's own.
+        from jax.experimental.compilation_cache import compilation_cache
+
+        path.mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(path))
+        compilation_cache.reset_cache()  # JAX opened the old directory once; open this one
+        _ours = path
+        return path
     if before is not None:
         if before.resolve() != path.resolve():
             warnings.warn(
@@ -61,4 +84,5 @@ def enable(path: str | os.PathLike) -> Path | None:
         return before
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
+    _ours = path
     return path

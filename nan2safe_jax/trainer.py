@@ -16,8 +16,10 @@ import importlib
 import json
 import logging
 import math
+import numbers
 import os
 import pickle
+import sys
 import threading
 import time
 import warnings
@@ -87,8 +89,9 @@ def _compile_cache(setting, workdir: Path) -> Path | None:
     """``Trainer(compile_cache=...)``: the cache directory in use (None: JAX's cache is off)."""
     if setting is False:
         return compile_cache_lib.current()
-    if setting is True:  # the default: a cache the process set already is kept, unremarked
-        setting = compile_cache_lib.current() or workdir / "compile_cache"
+    if setting is True:  # the default: a cache the user set already is kept, unremarked
+        user = compile_cache_lib.set_by_user()
+        setting = compile_cache_lib.current() if user else workdir / "compile_cache"
     if not isinstance(setting, (str, os.PathLike)):
         raise ValueError(
             f"compile_cache must be True, False or a directory, got {type(setting).__name__}"
@@ -447,8 +450,9 @@ class Trainer:
         Raises:
           NanIncidentError: more than ``cfg.max_incidents`` non-finite incidents.
         """
-        if not isinstance(steps, int) or steps < 0:
+        if not isinstance(steps, numbers.Integral) or isinstance(steps, bool) or steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+        steps = int(steps)
         if self.closed:
             raise ValueError(
                 f"this Trainer of {str(self.workdir)!r} is closed (a newer Trainer may hold the "
@@ -964,9 +968,16 @@ def load_incident(workdir, step: int, template):
 
 
 class _Progress:
+    """A progress bar on a terminal; elsewhere (a batch job's log file, where rich draws only
+    once, at the end) a plain line every tenth of the run."""
+
     def __init__(self, total: int):
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+        self._total, self._done = total, 0
+        self._lines = not sys.stdout.isatty()
+        if self._lines:
+            return
         self._p = Progress(
             TextColumn("step {task.completed}/{task.total}"),
             BarColumn(),
@@ -981,7 +992,12 @@ class _Progress:
             f"loss {m['loss']:.4g}  gear {('FAST', 'STABLE', 'SAFE')[m['gear']]}  "
             f"scale {m['loss_scale']:.3g}"
         )
-        self._p.update(self._task, advance=1, info=info)
+        self._done += 1
+        if not self._lines:
+            self._p.update(self._task, advance=1, info=info)
+        elif self._done % max(1, self._total // 10) == 0 or self._done == self._total:
+            print(f"step {self._done}/{self._total}  {info}", flush=True)
 
     def close(self) -> None:
-        self._p.stop()
+        if not self._lines:
+            self._p.stop()

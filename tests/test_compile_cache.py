@@ -26,15 +26,25 @@ def no_cache_set():
     jax.config.update("jax_compilation_cache_dir", before)
 
 
-def test_enable_sets_the_directory_only_when_none_is_set(no_cache_set, tmp_path):
+def test_enable_sets_the_directory_only_when_the_user_set_none(no_cache_set, tmp_path):
+    """A directory ``enable`` set moves to the next run's (a second workdir in one process:
+    its restarts find their programs, and the first workdir, maybe deleted, gets no writes);
+    one the user set is kept, with a warning."""
     assert compile_cache.current() is None
     first = tmp_path / "a" / "cache"
     assert compile_cache.enable(first) == first
     assert first.is_dir() and compile_cache.current() == first
-    with pytest.warns(UserWarning, match="already at"):
-        assert compile_cache.enable(tmp_path / "b") == first
-    assert compile_cache.current() == first
     assert compile_cache.enable(first) == first  # the same one again: no warning
+    assert not compile_cache.set_by_user()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = tmp_path / "b"
+        assert compile_cache.enable(second) == second and compile_cache.current() == second
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "user"))
+    assert compile_cache.set_by_user()
+    with pytest.warns(UserWarning, match="already at"):
+        assert compile_cache.enable(tmp_path / "c") == tmp_path / "user"
+    assert compile_cache.current() == tmp_path / "user"
 
 
 def test_enable_rejects_a_file(no_cache_set, tmp_path):

@@ -103,16 +103,21 @@ def test_one_trainer_per_workdir_and_a_changed_model_never_overwrites_the_run(tm
     assert json.loads((run / "run.json").read_text())["config"]["recovery_window"] == 9
 
 
-def test_clean_run_checkpoints_and_logs(tmp_path):
-    tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
+def test_clean_run_checkpoints_and_logs(tmp_path, capsys):
+    """Also: the progress shown where stdout is no terminal (a batch job's log) is a line per
+    tenth of the run (rich drew once, at the end), and ``steps`` may be a NumPy integer."""
+    run = tmp_path / "run"
+    tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, run, progress=True)
     hist = tr.fit(_batches(12), steps=12)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
+    assert len(lines) == 12 and lines[-1].startswith("step 12/12  loss ")
     assert len(hist) == 12 and all(np.isfinite(h["loss"]) for h in hist)
     assert [e["step"] for e in tr.events if e["type"] == "checkpoint"] == [5, 10]
     assert tr.checkpoints.steps() == [5, 10]
     assert len(read_metrics(tmp_path / "run")) == 12
     assert int(tr.state.step) == 12
     # An iterator shorter than ``steps`` ends ``fit`` early, said once in the log.
-    more = tr.fit(iter(_batches(3, seed=1)), steps=5)
+    more = tr.fit(iter(_batches(3, seed=1)), steps=np.int64(5))
     assert len(more) == 3 and tr.step == 15
     (end,) = [e for e in tr.events if e["type"] == "data_end"]
     assert (end["step"], end["drawn"], end["steps"]) == (15, 3, 5)
