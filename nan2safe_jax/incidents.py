@@ -140,22 +140,28 @@ def gathered_size(operand_shape, output_shape) -> int:
 
 
 def out_of_range_labels(batch, size: int) -> tuple[str, list[int]] | None:
-    """The first integer batch leaf holding values outside ``[0, size)``, and its bad rows.
+    """The integer batch leaf holding values outside ``[0, size)``, and its bad rows.
+
+    Values past the top come first: a negative value is often an ignore index (``-100``
+    labels a mask leaves out, as ``ops.cross_entropy`` advises), so the labels of a batch
+    whose tokens hold one id past the vocabulary were named instead of the tokens, with every
+    row. A leaf holding only negative values is named when no leaf holds a value past the top.
 
     Returns:
       ``(key path, rows)`` or None.
     """
+    found: dict[str, tuple[str, list[int]]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         if jax.dtypes.issubdtype(getattr(leaf, "dtype", np.float32), jax.dtypes.prng_key):
             continue  # a PRNG key: no labels, and NumPy cannot hold it
         a = np.asarray(leaf)
         if a.dtype.kind not in "iu" or a.ndim == 0:
             continue
-        bad = (a < 0) | (a >= size)
-        if bad.any():
-            rows = np.nonzero(bad.reshape(a.shape[0], -1).any(axis=1))[0]
-            return jax.tree_util.keystr(path), [int(r) for r in rows]
-    return None
+        for kind, bad in (("high", a >= size), ("negative", a < 0)):
+            if kind not in found and bad.any():
+                rows = np.nonzero(bad.reshape(a.shape[0], -1).any(axis=1))[0]
+                found[kind] = (jax.tree_util.keystr(path), [int(r) for r in rows])
+    return found.get("high", found.get("negative"))
 
 
 def label_report(batch, where: str, rows: list[int], size: int) -> Report:

@@ -669,8 +669,20 @@ def state_shardings(state: T, rules: Rules) -> T:
 
 
 def batch_shardings(batch: T, rules: Rules) -> T:
-    """A tree like ``batch`` of ``NamedSharding``: leading dimension over the data axis."""
-    return jax.tree_util.tree_map(rules.batch_sharding, batch)
+    """A tree like ``batch`` of ``NamedSharding``: leading dimension over the data axis.
+
+    Raises:
+      ValueError: a leaf's leading dimension is not divisible by the data shards; names the
+        leaf (a side array of another length reads as a wrong batch size otherwise).
+    """
+
+    def one(path, x):
+        try:
+            return rules.batch_sharding(x)
+        except ValueError as err:
+            raise ValueError(f"batch leaf {jax.tree_util.keystr(path)}: {err}") from None
+
+    return jax.tree_util.tree_map_with_path(one, batch)
 
 
 def shard_state(state: T, rules: Rules) -> T:

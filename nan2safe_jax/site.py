@@ -102,6 +102,23 @@ def branch_site(name: str | None):
         _BRANCH_SITE.reset(token)
 
 
+@contextlib.contextmanager
+def scope(module):
+    """The computation of a site of your own, named to tier 2: ``with nan2safe.site.scope(self):``
+    around the body of a module that holds a ``SiteGear`` and passes it as ``gear=`` to
+    ``nan2safe.ops.*``.
+
+    It enters ``site_scope(module.site_name)`` and re-enters it inside every gear branch the
+    ops trace (``branch_site``), as ``nan2safe.nn``'s modules do: without it the module's gear
+    switches the ops, but a fault in them is "outside every site" to tier 2, which then puts
+    the whole model in SAFE instead of the module. ``module.site_name`` is its path in the
+    model (``TrainState.create`` names it; the class name before that).
+    """
+    name = getattr(module, "site_name", None) or type(module).__name__
+    with site_scope(name), branch_site(name):
+        yield
+
+
 def scoped(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     """``fn`` run inside ``site_scope(name)`` (a ``lax.switch`` branch of site ``name``)."""
 

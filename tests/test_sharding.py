@@ -604,3 +604,18 @@ if __name__ == "__main__":
     scenario, out_dir = sys.argv[1], Path(sys.argv[2])
     fn = {"eight": _scenario_eight, "four": _scenario_four}[scenario]
     print(json.dumps(fn(out_dir), default=str))
+
+
+def test_a_batch_leaf_that_does_not_split_over_the_data_shards_is_named():
+    """A side array of another length read as a wrong global batch size; the leaf is named."""
+    import types
+
+    def batch_sharding(x):
+        if np.shape(x) and np.shape(x)[0] % 2:
+            raise ValueError(f"batch leading dimension {np.shape(x)[0]} is not divisible")
+        return None
+
+    rules = types.SimpleNamespace(batch_sharding=batch_sharding)
+    batch = {"x": np.zeros((8, 4)), "lengths": np.zeros(3)}
+    with pytest.raises(ValueError, match=r"batch leaf \['lengths'\]: batch leading dimension 3"):
+        sharding.batch_shardings(batch, rules)

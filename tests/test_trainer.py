@@ -605,6 +605,23 @@ def test_out_of_range_labels_are_a_polluted_input_not_a_model_fault(tmp_path):
     assert hist[-1]["loss_scale"] == hist[0]["loss_scale"]
 
 
+def test_a_token_past_the_vocabulary_is_named_before_ignore_index_labels():
+    """``-100`` labels a mask leaves out (as ``ops.cross_entropy`` advises) are often beside
+    the real fault, a token id past the vocabulary: the tokens and their row are named, not
+    the labels with every row; negative values alone are still named."""
+    from nan2safe_jax.incidents import out_of_range_labels
+
+    labels = np.where(np.arange(24).reshape(6, 4) % 4 == 0, -100, 3).astype(np.int32)
+    tokens = np.full((6, 4), 7, np.int32)
+    tokens[5, 2] = 64
+    assert out_of_range_labels({"labels": labels, "tokens": tokens}, 64) == ("['tokens']", [5])
+    tokens[5, 2] = 7
+    assert out_of_range_labels({"labels": labels, "tokens": tokens}, 64) == (
+        "['labels']",
+        [0, 1, 2, 3, 4, 5],
+    )
+
+
 def test_a_loader_that_refills_one_buffer_is_replayed_with_the_batch_that_failed(tmp_path):
     """The trainer keeps each batch for tier 2 and the ring buffer: a loader writing every
     batch into the same numpy arrays must not change them under the replay."""

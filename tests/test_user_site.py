@@ -278,3 +278,41 @@ def test_a_probed_site_closed_over_by_a_plain_transform_runs_and_keeps_its_probe
     else:
         np.testing.assert_array_equal(jax.vmap(site)(x), 2 * x)
     np.testing.assert_array_equal(np.asarray(site.probe_output[...]), before)
+
+
+@pytest.mark.parametrize("scoped", [True, False])
+def test_a_module_of_your_own_with_a_site_gear_is_named_inside_site_scope(scoped):
+    """A module holding a ``SiteGear`` whose scores overflow before its ``ops.softmax``:
+    inside ``nan2safe.site.scope(self)`` tier 2 names it by its path; without it the fault is
+    outside every site, which the README did not say."""
+    import optax
+
+    from nan2safe_jax import TrainState, ops
+    from nan2safe_jax import site as site_lib
+
+    class Scores(nnx.Module):
+        def __init__(self):
+            self.gear = nan2safe.SiteGear(jnp.zeros((), jnp.int32))
+            self.w = nnx.Param(jnp.full((4, 4), 1e30))
+
+        def __call__(self, x):
+            if not scoped:
+                return ops.softmax(x @ self.w[...], gear=self.gear[...])
+            with site_lib.scope(self):
+                return ops.softmax(x @ self.w[...], gear=self.gear[...])
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.attn = Scores()
+
+        def __call__(self, x):
+            return self.attn(x)
+
+    model = Model()
+    TrainState.create(model, optax.sgd(0.1))  # names the site by its path
+    graphdef, state = nnx.split(model)
+    x = jnp.full((2, 4), 1e10)
+    f = lambda state, x: nnx.merge(graphdef, state)(x)  # noqa: E731
+    r = replay.locate(jax.make_jaxpr(f)(state, x), (state, x))
+    assert r is not None and r.primitive == "dot_general" and r.kind == "inf"
+    assert r.site == ("attn" if scoped else None), r
