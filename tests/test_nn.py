@@ -234,37 +234,24 @@ def _fp16_layer(kind):
     return layer, x, "embedding", lambda w, x=x: x.astype(jnp.float32) @ w.T
 
 
+@pytest.mark.parametrize("past", ["weight", "input"])
 @pytest.mark.parametrize("kind", ["Linear", "LinearGeneral", "Embed.attend"])
-def test_an_fp16_layer_whose_f32_weight_overflows_the_cast_is_located_and_safe_computes_it(kind):
-    """A stored f32 weight past 65504 is inf once promoted to fp16. Tier 2 names the site (the
-    promotion is inside its scope, not an anonymous cast before it), and SAFE computes the
-    layer from the stored weights, as the f32 reference does."""
+def test_an_fp16_layer_whose_f32_operand_overflows_the_cast_is_located_and_safe_computes_it(
+    kind, past
+):
+    """A stored f32 weight, or an f32 input, past 65504 is inf once promoted to fp16. Tier 2
+    names the site (the promotion is inside its scope, not an anonymous cast before it), and
+    SAFE computes the layer from the f32 operands, as the f32 reference does (an input cast
+    before the gear was chosen made it inf at every gear: "failed again in SAFE", rollbacks,
+    doubling stays)."""
     from nan2safe_jax import replay
 
     layer, x, name, ref = _fp16_layer(kind)
     w = getattr(layer, name)
-    w[...] = w[...].reshape(-1).at[1].set(1e5).reshape(w.shape)
-    call = layer.attend if kind == "Embed.attend" else layer
-    out = {}
-    for g in (0, 2):
-        layer.gear[...] = jnp.asarray(g, layer.gear[...].dtype)
-        out[g] = call(x)
-    assert out[0].dtype == out[2].dtype == jnp.float16 and not _finite(out[0])
-    np.testing.assert_allclose(np.asarray(out[2], np.float32), ref(w[...]), rtol=2e-3, atol=1e-3)
-    layer.gear[...] = jnp.asarray(0, layer.gear[...].dtype)
-    report = replay.locate(jax.make_jaxpr(call)(x), (x,))
-    assert report.primitive == "convert_element_type" and report.site == type(layer).__name__
-
-
-@pytest.mark.parametrize("kind", ["Linear", "LinearGeneral", "Embed.attend"])
-def test_an_fp16_layer_whose_f32_input_overflows_the_cast_is_located_and_safe_computes_it(kind):
-    """An f32 input past 65504 into an fp16 layer: the promotion to fp16 is inside the gears,
-    so SAFE computes from the f32 input (a cast before the gear was chosen made it inf at
-    every gear: "failed again in SAFE", rollbacks, doubling stays)."""
-    from nan2safe_jax import replay
-
-    layer, x, name, ref = _fp16_layer(kind)
-    x = x.astype(jnp.float32).at[0, 1].set(1e5)
+    if past == "weight":
+        w[...] = w[...].reshape(-1).at[1].set(1e5).reshape(w.shape)
+    else:
+        x = x.astype(jnp.float32).at[0, 1].set(1e5)
     call = layer.attend if kind == "Embed.attend" else layer
     out = {}
     for g in (0, 2):
@@ -272,7 +259,7 @@ def test_an_fp16_layer_whose_f32_input_overflows_the_cast_is_located_and_safe_co
         out[g] = call(x)
     assert out[0].dtype == out[2].dtype == jnp.float16 and not _finite(out[0])
     assert _finite(out[2])
-    want = np.clip(ref(getattr(layer, name)[...], x), -65504, 65504)  # the saturating cast back
+    want = np.clip(ref(w[...], x), -65504, 65504)  # the saturating cast back to fp16
     np.testing.assert_allclose(np.asarray(out[2], np.float32), want, rtol=2e-3, atol=1e-3)
     layer.gear[...] = jnp.asarray(0, layer.gear[...].dtype)
     report = replay.locate(jax.make_jaxpr(call)(x), (x,))
