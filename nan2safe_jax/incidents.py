@@ -7,8 +7,8 @@ its newest finite checkpoint. It writes nothing and keeps no state; the Trainer 
 (docs/design.md, "Tier 2").
 
 Outcomes (``Decision.kind``):
-  - ``"polluted_input"``: the batch holds a NaN, a ``+inf``, a ``-inf`` in a step that went
-    non-finite (a healthy step trains on ``-inf``, a mask fill) or an out-of-range label. The
+  - ``"polluted_input"``: the batch holds a NaN, a ``+inf``, a ``-inf`` with a non-finite
+    loss (a healthy step trains on ``-inf``, a mask fill) or an out-of-range label. The
     step was skipped on device; nothing in the model is at risk, so no gear changes.
   - ``"damaged"``: the state the step started from holds a non-finite value (a flipped bit, a
     poisoned statistic). Training on it is pointless: roll back.
@@ -88,7 +88,7 @@ def polluted_report(batch) -> Report:
       ValueError: the batch is finite.
 
     A leaf holding a NaN or ``+inf`` comes first, and only those values are counted (a ``-inf``
-    mask beside them is no fault); a batch holding only ``-inf`` is named when the step went
+    mask beside them is no fault); a batch holding only ``-inf`` is named when the loss went
     non-finite with it (the train step's ``polluted``).
     """
     where = first_nan_or_plus_inf(batch)
@@ -102,7 +102,7 @@ def polluted_report(batch) -> Report:
     bad = ~np.isfinite(a) if minus_inf else np.isnan(a) | np.isposinf(a)
     chans, cut = channel_scan(np.where(bad, np.nan, 0.0))
     what = (
-        "-inf value(s), and the step went non-finite with them (a mask fill the model could "
+        "-inf value(s), and the loss went non-finite with them (a mask fill the model could "
         "not take, e.g. a fully masked row, or corrupted data)"
         if minus_inf
         else "NaN / +inf value(s)"
@@ -139,29 +139,40 @@ def gathered_size(operand_shape, output_shape) -> int:
     return gone[0] if len(set(gone)) == 1 else operand_shape[-1]
 
 
-def out_of_range_labels(batch, size: int) -> tuple[str, list[int]] | None:
+def out_of_range_labels(batch, size: int, indices=None) -> tuple[str, list[int]] | None:
     """The integer batch leaf holding values outside ``[0, size)``, and its bad rows.
 
-    Values past the top come first: a negative value is often an ignore index (``-100``
-    labels a mask leaves out, as ``ops.cross_entropy`` advises), so the labels of a batch
-    whose tokens hold one id past the vocabulary were named instead of the tokens, with every
-    row. A leaf holding only negative values is named when no leaf holds a value past the top.
+    Args:
+      batch: the host batch.
+      size: the size of the axis the failing gather indexes.
+      indices: the gather's index operand statistics (``min`` / ``max``, from the report), if
+        known: the leaf that holds the index's out-of-range extreme is the one the gather read
+        (labels with ``-100`` a mask leaves out sat beside the tokens of a Llama-style batch,
+        and were named, every row, for a token id past the vocabulary). Without a match, or
+        without ``indices``, the first leaf with values out of range.
 
     Returns:
       ``(key path, rows)`` or None.
     """
-    found: dict[str, tuple[str, list[int]]] = {}
+    lo = None if indices is None else indices.get("min")
+    hi = None if indices is None else indices.get("max")
+    extremes = [v for v in (lo, hi) if v is not None and not 0 <= v < size]
+    first = None
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         if jax.dtypes.issubdtype(getattr(leaf, "dtype", np.float32), jax.dtypes.prng_key):
             continue  # a PRNG key: no labels, and NumPy cannot hold it
         a = np.asarray(leaf)
         if a.dtype.kind not in "iu" or a.ndim == 0:
             continue
-        for kind, bad in (("high", a >= size), ("negative", a < 0)):
-            if kind not in found and bad.any():
-                rows = np.nonzero(bad.reshape(a.shape[0], -1).any(axis=1))[0]
-                found[kind] = (jax.tree_util.keystr(path), [int(r) for r in rows])
-    return found.get("high", found.get("negative"))
+        bad = (a < 0) | (a >= size)
+        if not bad.any():
+            continue
+        rows = np.nonzero(bad.reshape(a.shape[0], -1).any(axis=1))[0]
+        found = (jax.tree_util.keystr(path), [int(r) for r in rows])
+        if any(np.any(a == v) for v in extremes):
+            return found
+        first = first or found
+    return first
 
 
 def label_report(batch, where: str, rows: list[int], size: int) -> Report:
@@ -240,7 +251,8 @@ def decide(step_fn, before, batch, after, metrics: dict, cfg: Config) -> Decisio
         # a cross-entropy's take_along_axis over labels outside [0, vocab), or an embedding
         # lookup of a token outside [0, vocab).
         size = gathered_size(report.inputs[0]["shape"], report.output_shape)
-        bad = out_of_range_labels(batch, size)
+        indices = report.inputs[1] if len(report.inputs) > 1 else None
+        bad = out_of_range_labels(batch, size, indices)
         if bad is not None:
             return Decision(
                 "polluted_input",

@@ -318,7 +318,7 @@ def train_step(
     whole optimizer state is kept. A batch with a NaN or ``+inf`` is data, not a fault
     (``metrics["polluted"]``): it is skipped with the gears and the whole optimizer state,
     loss scale included, untouched. A ``-inf`` in the batch (an additive mask's fill) is a
-    value, as it is to the probes: the step trains on it, and only a step that goes
+    value, as it is to the probes: the step trains on it, and only a step whose loss goes
     non-finite with it is a polluted batch.
     """
     if partitioned:
@@ -362,10 +362,11 @@ def train_step(
     grads_finite = jnp.isfinite(sgrad_sq)
     finite = jnp.isfinite(loss32) & grads_finite
     # A NaN or +inf in the batch is data, not a fault. A -inf is the conventional mask fill
-    # (an additive attention bias): data only when the step went non-finite with it (a mask
-    # the model could not take, or corrupted data), so a healthy masked batch trains and a
-    # failing one is blamed on the batch, never on an op.
-    polluted = ~clean_batch | (~finite_batch & ~finite)
+    # (an additive attention bias): data only when the loss went non-finite with it (a mask
+    # the model could not take, or corrupted data), so a healthy masked batch trains, scaled
+    # gradients that overflow are the loss scale's as in any batch, and a failing one is
+    # blamed on the batch, never on an op.
+    polluted = ~clean_batch | (~finite_batch & ~jnp.isfinite(loss32))
     # A finite loss whose scaled gradients overflow is the dynamic loss scale's business: skip
     # and back off. Only when that repeats (or the loss itself is bad) is it an incident.
     # After OVERFLOW_GRACE overflows in a row the first downshift also cuts the scale by
@@ -631,8 +632,8 @@ def make_train_step(
       ``f32[NUM_STATS]`` statistics, in the detector's order; probe -> risk),
       ``site_gears`` and ``next_all_fast`` (the next step's program); the flags ``finite``,
       ``overflow``, ``incident`` (a non-finite step the model made: tier 2's case),
-      ``polluted`` (a NaN or ``+inf`` in the batch, or a ``-inf`` there in a non-finite step;
-      a healthy step trains on ``-inf``, a mask fill), ``bad_update``,
+      ``polluted`` (a NaN or ``+inf`` in the batch, or a ``-inf`` there with a non-finite
+      loss; a healthy step trains on ``-inf``, a mask fill), ``bad_update``,
       ``bad_rest`` and ``next_gear``. A skipped step's ``loss`` is what it computed (NaN or
       inf): a loop of your own averages the losses of the steps with ``skipped`` False. The
       step does not undo a downshift that a data fault it cannot see as data caused (an empty

@@ -19,7 +19,6 @@ import math
 import numbers
 import os
 import pickle
-import sys
 import threading
 import time
 import warnings
@@ -465,6 +464,7 @@ class Trainer:
         discard = 0  # new batches still to skip after a loss-spike rollback
         drawn = 0
         inflight: _Step | None = None
+        finishing = False
         if self.hang_timeout_s is not None:
             self._watchdog = watchdog_lib.Watchdog(self.hang_timeout_s, self._on_hang)
             self._watchdog.arm()
@@ -486,7 +486,9 @@ class Trainer:
                 running = None if batch is _END else self._dispatch(batch, replayed)
                 done, inflight = inflight, running
                 if done is not None:
+                    finishing = True  # an exception inside finishes nothing more on the way out
                     restart = self._finish(done, history, bar)
+                    finishing = False
                     self._beat()
                     if restart is not None:
                         # The state was replaced: the step just dispatched ran on the old one.
@@ -505,11 +507,13 @@ class Trainer:
         except jax.errors.JaxRuntimeError as err:  # multi-process: a peer died mid-collective
             lost = sharding_lib.lost_process_error(err)
             if lost is None:
+                if inflight is not None and not finishing:
+                    self._finish_before_raising(inflight, history, bar, err)
                 raise
             self.log.append("error", self.step, detail=str(lost))
             raise lost from err
         except BaseException as err:  # the data, the loss function, Ctrl-C
-            if inflight is not None:
+            if inflight is not None and not finishing:
                 self._finish_before_raising(inflight, history, bar, err)
             raise
         finally:
@@ -529,7 +533,11 @@ class Trainer:
         unhandled, its downshift and loss-scale cut kept. A state tier 2 replaces (new gears,
         a rollback) becomes the trainer's; its replayed batches are not run (the next ``fit``
         goes on from ``self.step``). A failure here is logged, and ``err`` raised all the same.
+        Not in a run of several processes: the step's checkpoint and tier 2 are collective, and
+        the other processes, which did not fail, are not there to join them.
         """
+        if jax.process_count() > 1:
+            return
         try:
             restart = self._finish(done, history, bar)
             if restart is not None:
@@ -968,14 +976,16 @@ def load_incident(workdir, step: int, template):
 
 
 class _Progress:
-    """A progress bar on a terminal; elsewhere (a batch job's log file, where rich draws only
-    once, at the end) a plain line every tenth of the run."""
+    """A progress bar on a terminal or in a notebook; elsewhere (a batch job's log file, where
+    rich draws only once, at the end) a plain line every tenth of the run."""
 
     def __init__(self, total: int):
+        from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+        console = Console()
         self._total, self._done = total, 0
-        self._lines = not sys.stdout.isatty()
+        self._lines = not (console.is_terminal or console.is_jupyter)
         if self._lines:
             return
         self._p = Progress(

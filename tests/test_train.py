@@ -377,6 +377,21 @@ def test_a_minus_inf_mask_in_the_batch_is_trained_on_and_nan_or_plus_inf_is_poll
     )
 
 
+def test_scaled_gradients_that_overflow_in_a_masked_batch_are_the_loss_scales_not_the_datas():
+    """A finite loss whose scaled gradients overflow, in a batch with a ``-inf`` mask: the
+    loss scale backs off as in any batch (the mask was blamed, every step skipped as polluted
+    at the same scale, until the Trainer stopped on "no usable batch")."""
+    x, y = _data(1)
+    bias = jnp.zeros(x.shape[1]).at[:4].set(-jnp.inf)
+    loud = lambda model, b: _masked_loss(model, b[:3]) * b[3]  # noqa: E731
+    state = _state()
+    new, m = make_train_step(loud)(state, (x[0], y[0], bias, jnp.float32(1e36)))
+    assert bool(m["overflow"]) and not bool(m["polluted"]) and bool(m["skipped"])
+    assert float(nan2safe.optax.loss_scale_of(new.opt_state)) < float(
+        nan2safe.optax.loss_scale_of(state.opt_state)
+    )
+
+
 def test_a_fresh_state_can_be_donated_by_a_jit_of_the_users():
     """No two leaves of a fresh state are one array (XLA refuses to donate a buffer twice):
     ``jax.jit(make_train_step(loss_fn, jit=False), donate_argnums=0)`` runs, and so does a

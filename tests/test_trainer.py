@@ -605,18 +605,21 @@ def test_out_of_range_labels_are_a_polluted_input_not_a_model_fault(tmp_path):
     assert hist[-1]["loss_scale"] == hist[0]["loss_scale"]
 
 
-def test_a_token_past_the_vocabulary_is_named_before_ignore_index_labels():
-    """``-100`` labels a mask leaves out (as ``ops.cross_entropy`` advises) are often beside
-    the real fault, a token id past the vocabulary: the tokens and their row are named, not
-    the labels with every row; negative values alone are still named."""
+def test_the_leaf_holding_the_gathers_out_of_range_index_is_named():
+    """``-100`` labels a mask leaves out (as ``ops.cross_entropy`` advises) sat beside the real
+    fault, a token id past the vocabulary, and were named with every row; the leaf holding the
+    failing gather's out-of-range extreme is named. A 10-class cross-entropy's unmasked
+    ``-100`` names the labels, not a valid token leaf of a larger vocabulary."""
     from nan2safe_jax.incidents import out_of_range_labels
 
     labels = np.where(np.arange(24).reshape(6, 4) % 4 == 0, -100, 3).astype(np.int32)
     tokens = np.full((6, 4), 7, np.int32)
     tokens[5, 2] = 64
-    assert out_of_range_labels({"labels": labels, "tokens": tokens}, 64) == ("['tokens']", [5])
-    tokens[5, 2] = 7
-    assert out_of_range_labels({"labels": labels, "tokens": tokens}, 64) == (
+    batch = {"labels": labels, "tokens": tokens}
+    assert out_of_range_labels(batch, 64, {"min": 0, "max": 64}) == ("['tokens']", [5])
+    assert out_of_range_labels(batch, 64)[0] == "['labels']"  # no index statistics: the first
+    tokens[5, 2] = 999  # a valid id of a 1000-word vocabulary; the 10-class gather fails
+    assert out_of_range_labels(batch, 10, {"min": -100, "max": 3}) == (
         "['labels']",
         [0, 1, 2, 3, 4, 5],
     )
