@@ -536,18 +536,18 @@ class Trainer:
         Not in a run of several processes: the step's checkpoint and tier 2 are collective, and
         the other processes, which did not fail, are not there to join them.
         """
-        if jax.process_count() > 1:
+        if jax.process_count() > 1 or self.log.closed:  # (closed: the watchdog ended the run)
             return
         try:
             restart = self._finish(done, history, bar)
             if restart is not None:
                 self.state, self.step = restart.state, int(restart.state.step)
         except Exception as also:  # noqa: BLE001 - the first exception is the one raised
-            self.log.append(
-                "error",
-                self.step,
-                detail=f"finishing step {done.step} after {type(err).__name__}: {also!r}",
-            )
+            detail = f"finishing step {done.step} after {type(err).__name__}: {also!r}"
+            try:
+                self.log.append("error", self.step, detail=detail)
+            except Exception:  # noqa: BLE001 - nor may the log of it hide the first
+                log.warning(detail)
 
     def _dispatch(self, batch, replayed: bool) -> _Step:
         """Runs the step on the current state (asynchronously) and advances the counter.
