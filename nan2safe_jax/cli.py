@@ -60,8 +60,7 @@ def _locate(args) -> int:
     except CheckpointMismatchError as err:
         print(
             f"the factory {spec!r} builds another state than the run saved at step "
-            f"{args.step} ({str(err).split(': ', 1)[-1].split('. ')[0]}); pass the factory "
-            "of the model and optimizer the run trained",
+            f"{args.step}; pass the factory of the model and optimizer the run trained: {err}",
             file=sys.stderr,
         )
         return 2

@@ -170,16 +170,21 @@ def _check_gear(gear) -> int:
     said = f"gear must be one of Gear.FAST/STABLE/SAFE (0, 1, 2), got {gear!r}"
     if isinstance(gear, jax.core.Tracer):
         raise ValueError(f"{said}: a traced value (gears are set on the host, between steps)")
-    dtype = getattr(gear, "dtype", None)
-    integral = isinstance(gear, (int, np.integer)) and not isinstance(gear, (bool, np.bool_))
-    if dtype is not None and np.ndim(gear) == 0:
-        integral = jnp.issubdtype(dtype, jnp.integer)
-    if not integral:
+    if not _integer(gear):
         raise ValueError(said)
     g = int(gear)
     if g not in (0, 1, 2):
         raise ValueError(said)
     return g
+
+
+def _integer(value) -> bool:
+    """``value`` is one integer: a Python or NumPy int (``Gear`` included) or a 0-d integer
+    array, not a bool, a float or an array of several."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None:
+        return np.ndim(value) == 0 and jnp.issubdtype(dtype, jnp.integer)
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_index(name: str, index, size: int) -> None:
@@ -191,12 +196,7 @@ def _check_index(name: str, index, size: int) -> None:
     """
     if isinstance(index, jax.core.Tracer):
         return
-    dtype = getattr(index, "dtype", None)
-    if dtype is not None:
-        integral = np.ndim(index) == 0 and jnp.issubdtype(dtype, jnp.integer)
-    else:
-        integral = isinstance(index, (int, np.integer)) and not isinstance(index, bool)
-    if not integral or not -size <= int(index) < size:
+    if not _integer(index) or not -size <= int(index) < size:
         raise ValueError(
             f"site {name!r} stacks {size} layers; index must be an int in [{-size}, {size}), "
             f"got {index!r}"

@@ -40,7 +40,7 @@ from nan2safe_jax import gear as gear_lib
 from nan2safe_jax import replay
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear, GearState
-from nan2safe_jax.numerics import first_nan_or_plus_inf, first_nonfinite
+from nan2safe_jax.numerics import _is_key, first_nonfinite
 from nan2safe_jax.replay.nearest import nearest_site
 from nan2safe_jax.replay.report import Report, array_stats, channel_scan
 
@@ -91,7 +91,7 @@ def polluted_report(batch) -> Report:
     mask beside them is no fault); a batch holding only ``-inf`` is named when the loss went
     non-finite with it (the train step's ``polluted``).
     """
-    where = first_nan_or_plus_inf(batch)
+    where = first_nonfinite(batch, minus_inf=False)
     minus_inf = where is None
     if minus_inf:
         where = first_nonfinite(batch)
@@ -159,7 +159,7 @@ def out_of_range_labels(batch, size: int, indices=None) -> tuple[str, list[int]]
     extremes = [v for v in (lo, hi) if v is not None and not 0 <= v < size]
     first = None
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        if jax.dtypes.issubdtype(getattr(leaf, "dtype", np.float32), jax.dtypes.prng_key):
+        if _is_key(leaf):
             continue  # a PRNG key: no labels, and NumPy cannot hold it
         a = np.asarray(leaf)
         if a.dtype.kind not in "iu" or a.ndim == 0:

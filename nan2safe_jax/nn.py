@@ -65,6 +65,7 @@ from nan2safe_jax import ops
 from nan2safe_jax import probe as probe_lib
 from nan2safe_jax.probe import cheap_stats, probe_enabled, sampled_stats
 from nan2safe_jax.site import Probe, SiteGear, fill_default, fill_defaults, site_scope
+from nan2safe_jax.site import write_probe as _write
 
 __all__ = [
     "CrossEntropy",
@@ -124,26 +125,6 @@ def _write_if(var: nnx.Variable, st: Mapping[str, jax.Array], key: str, kind: st
     """Writes ``st[key]`` into probe ``var`` when probe kind ``kind`` is on in this trace."""
     if probe_enabled(kind):
         _write(var, st[key])
-
-
-def _write(var: nnx.Variable, value: jax.Array) -> None:
-    """Overwrites a probe (replacing an abstract value whole, see ``_read``).
-
-    The new value replaces the old one in the old one's shape and dtype: what ``var[...] =
-    value`` stores, without tracing an indexed update (~15 ms of tracing per probe).
-
-    A module called inside a plain JAX transform that closes over it (``jax.jit(lambda x:
-    layer(x))``, ``jax.grad`` with respect to its inputs) cannot mutate its variables from that
-    trace; a probe is only an observation, so it is left as it was there, and the layer runs
-    as flax's own does.
-    """
-    if not getattr(var, "_can_update", True):
-        return
-    old = var.get_value()
-    if isinstance(old, jax.ShapeDtypeStruct):
-        var.set_value(value)
-    else:
-        var.set_value(jnp.broadcast_to(jnp.asarray(value, old.dtype), jnp.shape(old)))
 
 
 def _no_sharding(name: str, out_sharding) -> None:

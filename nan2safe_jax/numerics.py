@@ -1,10 +1,10 @@
 """Small numerics over pytrees, in one place: finiteness, norms, selection, saturating counters.
 
-Device-side helpers (``all_finite``, ``no_nan_or_plus_inf``, ``sum_of_squares``,
+Device-side helpers (``all_finite``, ``nonfinite_kinds``, ``sum_of_squares``,
 ``global_norm``, ``select_tree``, ``saturating_add``, ``computed_once``) are traceable and run
-inside the jitted step. Host-side helpers (``first_nonfinite``, ``first_nan_or_plus_inf``,
-``tree_is_finite``) read concrete arrays back with NumPy: the Trainer uses them on a batch
-before it blames the model, and the checkpointer before it saves.
+inside the jitted step. Host-side helpers (``first_nonfinite``, ``tree_is_finite``) read
+concrete arrays back with NumPy: the Trainer uses them on a batch before it blames the model,
+and the checkpointer before it saves.
 
 A leaf is checked for finiteness when its dtype is inexact (float, bfloat16, float8, complex);
 integer, bool and PRNG-key leaves are always finite.
@@ -47,28 +47,27 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
-def _nan_or_plus_inf(x) -> jax.Array:
-    """bool array: NaN or ``+inf`` (for a complex value: not finite)."""
-    if jnp.iscomplexobj(x):
-        return ~jnp.isfinite(x)
-    return jnp.isnan(x) | jnp.isposinf(x)
+def nonfinite_kinds(tree) -> tuple[jax.Array, jax.Array]:
+    """``(bool[], bool[])``: some floating leaf of ``tree`` holds a NaN or ``+inf``; some holds
+    a ``-inf``. One pass over each leaf.
 
-
-def no_nan_or_plus_inf(tree) -> jax.Array:
-    """bool[]: no floating leaf of ``tree`` holds a NaN or ``+inf``; ``-inf`` is allowed.
-
-    What a batch must be (the train step's ``polluted`` is its negation): ``-inf`` is the
-    conventional mask fill (an additive attention bias), a value the data means, as the probes
-    read it (``probe.nonfinite_count``); a NaN or ``+inf`` is not.
+    A batch's verdict (the train step's ``polluted``): ``-inf`` is the conventional mask fill
+    (an additive attention bias), a value the data means, as the probes read it
+    (``probe.nonfinite_count``); a NaN or ``+inf`` is not. A complex value that is not finite
+    counts as the first kind.
 
     Args:
       tree: a pytree of arrays (traced or concrete).
-
-    Returns:
-      A bool scalar array.
     """
-    leaves = [~jnp.any(_nan_or_plus_inf(x)) for x in floating_leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+    bad, minus = [], []
+    for x in floating_leaves(tree):
+        if jnp.iscomplexobj(x):
+            bad.append(jnp.any(~jnp.isfinite(x)))
+            continue
+        bad.append(jnp.any(jnp.isnan(x) | jnp.isposinf(x)))
+        minus.append(jnp.any(jnp.isneginf(x)))
+    some = lambda flags: jnp.any(jnp.stack(flags)) if flags else jnp.asarray(False)  # noqa: E731
+    return some(bad), some(minus)
 
 
 # Leaves below this many elements are summed as one concatenated vector (see sum_of_squares).
@@ -216,11 +215,13 @@ def saturating_add(x: jax.typing.ArrayLike, by: jax.typing.ArrayLike = 1) -> jax
     return jnp.where(x >= MAX_I32 - by, MAX_I32, x + by).astype(jnp.int32)
 
 
-def first_nonfinite(tree) -> str | None:
+def first_nonfinite(tree, minus_inf: bool = True) -> str | None:
     """Host-side scan: the key path of the first leaf holding a NaN or inf, or None.
 
     Args:
       tree: a pytree of concrete arrays (NumPy or JAX; one device-to-host copy per leaf).
+      minus_inf: count ``-inf``; False finds the first leaf holding a NaN or ``+inf`` (a
+        batch's pollution, see ``nonfinite_kinds``).
 
     Returns:
       ``jax.tree_util.keystr`` of the first non-finite leaf, or None when all are finite.
@@ -231,32 +232,14 @@ def first_nonfinite(tree) -> str | None:
         a = np.asarray(leaf)
         if not _inexact(a.dtype):
             continue
-        ok = np.isfinite(a) if np.iscomplexobj(a) else np.isfinite(a.astype(np.float32))
-        if not np.all(ok):
+        if np.iscomplexobj(a):
+            bad = ~np.isfinite(a)
+        else:
+            a = a.astype(np.float32)
+            bad = ~np.isfinite(a) if minus_inf else np.isnan(a) | np.isposinf(a)
+        if np.any(bad):
             return jax.tree_util.keystr(path)
     return None
-
-
-def first_nan_or_plus_inf(tree) -> str | None:
-    """Host-side scan: the key path of the first leaf holding a NaN or ``+inf``, or None (see
-    ``no_nan_or_plus_inf``: ``-inf`` is allowed)."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if holds_nan_or_plus_inf(leaf):
-            return jax.tree_util.keystr(path)
-    return None
-
-
-def holds_nan_or_plus_inf(leaf) -> bool:
-    """Host-side: ``leaf`` is a floating array holding a NaN or ``+inf``."""
-    if _is_key(leaf):
-        return False
-    a = np.asarray(leaf)
-    if not _inexact(a.dtype):
-        return False
-    if np.iscomplexobj(a):
-        return not np.all(np.isfinite(a))
-    a = a.astype(np.float32)
-    return bool(np.any(np.isnan(a) | np.isposinf(a)))
 
 
 def tree_is_finite(tree) -> bool:

@@ -340,8 +340,7 @@ def train_step(
     scale = guard_lib.loss_scale_of(state.opt_state)
     # Reductions over the batch's floating leaves; under sharding global reductions in the one
     # SPMD program, so every process reads the same verdict (``polluted`` below).
-    clean_batch = numerics.no_nan_or_plus_inf(batch)
-    finite_batch = numerics.all_finite(batch)
+    batch_bad, batch_minus_inf = numerics.nonfinite_kinds(batch)
 
     def scaled_loss(params):
         loss, probes, new_rest, aux = _forward(state, site, params, batch, loss_fn, has_aux)
@@ -366,7 +365,7 @@ def train_step(
     # the model could not take, or corrupted data), so a healthy masked batch trains, scaled
     # gradients that overflow are the loss scale's as in any batch, and a failing one is
     # blamed on the batch, never on an op.
-    polluted = ~clean_batch | (~finite_batch & ~jnp.isfinite(loss32))
+    polluted = batch_bad | (batch_minus_inf & ~jnp.isfinite(loss32))
     # A finite loss whose scaled gradients overflow is the dynamic loss scale's business: skip
     # and back off. Only when that repeats (or the loss itself is bad) is it an incident.
     # After OVERFLOW_GRACE overflows in a row the first downshift also cuts the scale by
@@ -732,7 +731,10 @@ def make_train_step(
         return seen[0] + BUILTIN_PROBES
 
     def step(state: TrainState, batch):
-        traced = jax.tree_util.tree_leaves((state, batch))
+        # A traced state is never the one returned last: the state's leaves are read only
+        # when it is new (a step's hot path skips them), the batch's every time.
+        fresh = () if returned_last(state) else jax.tree_util.tree_leaves(state)
+        traced = [*fresh, *jax.tree_util.tree_leaves(batch)]
         if jit and any(isinstance(x, jax.core.Tracer) for x in traced):
             raise TypeError(
                 "make_train_step: the step runs on the host (it commits the state and picks a "

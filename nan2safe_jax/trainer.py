@@ -37,6 +37,7 @@ from nan2safe_jax import watchdog as watchdog_lib
 from nan2safe_jax.checkpoint import Checkpointer
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear
+from nan2safe_jax.numerics import _is_key
 from nan2safe_jax.runlog import EventLog
 from nan2safe_jax.spikes import Spike, SpikeWatch
 from nan2safe_jax.train import TrainState, make_train_step
@@ -918,7 +919,7 @@ def _is_saved_key(x) -> bool:
 
 def _host_leaf(x):
     """A batch leaf as the incident saves it: a NumPy array, or a typed key's ``_SavedKey``."""
-    if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    if _is_key(x):
         return _SavedKey(np.asarray(jax.random.key_data(x)), str(jax.random.key_impl(x)))
     return np.asarray(x)
 

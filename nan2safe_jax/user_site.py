@@ -42,7 +42,14 @@ from flax import nnx
 
 from nan2safe_jax import ops
 from nan2safe_jax import probe as probe_lib
-from nan2safe_jax.site import Probe, SiteGear, branch_site, fill_default, site_scope
+from nan2safe_jax.site import (
+    Probe,
+    SiteGear,
+    branch_site,
+    fill_default,
+    site_scope,
+    write_probe,
+)
 
 __all__ = ["Site"]
 
@@ -119,19 +126,12 @@ class Site(nnx.Module):
         _check_paths_agree(self.site_name, self.paths, [path(f) for f in self.paths], operands)
         with site_scope(self.site_name), branch_site(self.site_name):
             out = ops.switch(self._gear(), [path(f) for f in self.paths], *operands)
-            # A plain JAX transform that closes over the site (``jax.grad`` of a merged model
-            # whose state is closed over) cannot mutate it: the probe, an observation, is left
-            # as it was there, as flax's own layers and ``nn``'s sites do.
-            if self.probe_output is not None and getattr(self.probe_output, "_can_update", True):
+            if self.probe_output is not None:
                 # not ``leaves``: the paths read that name when the backward recomputes them
                 outs = jax.tree_util.tree_leaves(out)
                 floats = [x for x in outs if jnp.issubdtype(x.dtype, jnp.floating)]
                 if floats:
-                    stats = probe_lib.sampled_stats(floats[0])
-                    if isinstance(self.probe_output.get_value(), jax.ShapeDtypeStruct):
-                        self.probe_output.set_value(stats)
-                    else:
-                        self.probe_output[...] = stats
+                    write_probe(self.probe_output, probe_lib.sampled_stats(floats[0]))
         return out
 
 
