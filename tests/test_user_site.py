@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -316,3 +317,64 @@ def test_a_module_of_your_own_with_a_site_gear_is_named_inside_site_scope(scoped
     r = replay.locate(jax.make_jaxpr(f)(state, x), (state, x))
     assert r is not None and r.primitive == "dot_general" and r.kind == "inf"
     assert r.site == ("attn" if scoped else None), r
+
+
+def _attend(q, k, v, mask):
+    """The Gemma example's core: a finite fill that is ``-inf`` in fp16, then softmax."""
+    logits = jnp.einsum("BTH,BSH->BTS", q, k)
+    probs = jax.nn.softmax(jnp.where(mask[:, None, :], logits, -2.3819763e38), axis=-1)
+    return jnp.einsum("BTS,BSH->BTH", probs.astype(k.dtype), v)
+
+
+def _attend_safe(q, k, v, mask):
+    f32 = jnp.float32
+    logits = jnp.einsum("BTH,BSH->BTS", q.astype(f32), k.astype(f32))
+    where = jnp.broadcast_to(mask[:, None, :], logits.shape)
+    probs = nan2safe.ops.softmax(logits, where=where, gear=Gear.SAFE)
+    return jnp.einsum("BTS,BSH->BTH", probs, v.astype(f32)).astype(v.dtype)
+
+
+class _Layer(nnx.Module):
+    def __init__(self, rngs):
+        self.w = nnx.Linear(D, D, rngs=rngs, dtype=jnp.float16)
+        self.core = nn.Site(_attend, safe=_attend_safe)
+
+    def __call__(self, x, mask):
+        h = self.w(x)
+        return x + self.core(h, h, h, mask)
+
+
+class _TwoLayers(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List([_Layer(rngs), _Layer(rngs)])
+
+    def __call__(self, x, mask):
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x
+
+
+@pytest.mark.parametrize("safe", [0, 1])
+def test_the_layer_whose_fast_core_fails_is_named_not_the_one_already_in_safe(safe):
+    """Two layers of one core, a fully masked row: with one core in SAFE, the other's FAST core
+    makes the NaN and is named. The SAFE core's FAST values are computed and dropped by its gear
+    switch, but the JVP of its softmax's ``reduce_max`` also compares them (``eq(x, max)``) for
+    a tangent nothing uses: dead code, which made the dropped ``-inf`` a root, so tier 2 named
+    the site already in SAFE again and again (newuser29, the Gemma example)."""
+    model = _TwoLayers(nnx.Rngs(0))
+    state = nan2safe.TrainState.create(model, optax.adam(1e-3), nan2safe.Config())
+    g = nan2safe.gear.set_level(state.gear, Gear.STABLE)
+    state = state.replace(gear=nan2safe.gear.set_site(g, f"layers.{safe}.core", Gear.SAFE))
+    x = np.random.default_rng(0).normal(size=(2, T, D)).astype(np.float16)
+    mask = np.ones((2, T), bool)
+    mask[0] = False
+
+    def loss_fn(m, batch):
+        return jnp.mean(m(*batch).astype(jnp.float32) ** 2)
+
+    step = nan2safe.make_train_step(loss_fn)
+    _, metrics = step(state, (x, mask))
+    assert not np.isfinite(float(metrics["loss"]))
+    report = replay.locate_step(step, state, (x, mask))
+    assert report.site == f"layers.{1 - safe}.core" and report.direction == "forward"
+    assert report.primitive == "convert_element_type" and report.reproducible

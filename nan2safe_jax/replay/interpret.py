@@ -123,6 +123,8 @@ class Ctx:
         # dropped operands left out) and writes, of any dtype, for ``_needed``; the values are
         # pinned so that no id is reused while the walk runs.
         self.links: list[tuple[tuple[int, ...], ...]] = []
+        self.dead: list[bool] = []  # per link: the equation's results reach nothing (``_walk``)
+        self._dead_now = False
         self.output_ids: frozenset = frozenset()
         # Value indices of the top level's closed-over constants (``ClosedJaxpr.consts``): the
         # replay passes them as operands, yet like a literal they are no equation's result.
@@ -187,6 +189,7 @@ class Ctx:
         passes over: a known branch's unused operands) for ``_needed``."""
         self._pinned += [*reads, *writes, *drops]
         self.links.append((tuple(map(id, reads)), tuple(map(id, writes)), tuple(map(id, drops))))
+        self.dead.append(self._dead_now)
 
     def finalize(self, observed_only: bool = False) -> tuple[Any, Any, Any]:
         """``(root, nan, literal)``: bool[count] flags of every flat equation of this walk.
@@ -338,7 +341,11 @@ class Ctx:
 
         Results nothing reads count as needed (as in ``_reaches``: a later program may read
         them; a prefix's lower bound keeps them too, as every observation counted before a
-        dropped one was told apart). A loop instrumented in place (``given``) is needed.
+        dropped one was told apart), unless the equation is dead code of the program (``dead``:
+        none of its results reaches the jaxpr's outputs, e.g. what a JVP rule computes for a
+        tangent nobody uses: ``reduce_max``'s ``eq(x, max)`` over a masked row's ``-inf``, in a
+        site at SAFE, made FAST's dropped ``-inf`` a root). A loop instrumented in place
+        (``given``) is needed.
         """
         out = np.ones(len(self.recs), bool)
         read: set[int] = set()
@@ -347,7 +354,9 @@ class Ctx:
         need = set(self.output_ids)
         for k in range(len(self.recs) - 1, -1, -1):
             reads, writes, _ = self.links[k]
-            if self.recs[k][0] != "given":
+            if self.dead[k]:
+                out[k] = False
+            elif self.recs[k][0] != "given":
                 out[k] = not writes or any(w in need or w not in read for w in writes)
             if out[k]:
                 need.update(reads)
@@ -396,7 +405,7 @@ def walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: Ctx, ns: A
       ctx: the walk's state; flat equations are numbered from ``ctx.count``.
       ns: the name stack the jaxpr is called under.
     """
-    outs = _walk(jaxpr, consts, args, ctx, ns)
+    outs = _walk(jaxpr, consts, args, ctx, ns, [True] * len(jaxpr.outvars))
     if ctx.mode == "flags":  # what the walk returns is live (``Ctx._reaches``)
         ctx.outputs = frozenset().union(*(ctx.ref(o)[1] for o in outs))
         ctx.output_ids = frozenset(map(id, outs))
@@ -404,8 +413,31 @@ def walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: Ctx, ns: A
     return outs
 
 
-def _walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: Ctx, ns: Any) -> list:
+def _dead_code(jaxpr: Any, live_out: Sequence[bool]) -> tuple[list[bool], list[list[bool]]]:
+    """Static dead-code analysis of one jaxpr level: per equation, whether none of its results
+    reaches a live output (``live_out``) and it has no effects; and which of its results do
+    (passed on to a call's body). ``make_jaxpr`` keeps such code (a JVP rule's unused tangent
+    work)."""
+    live = {
+        v for v, keep in zip(jaxpr.outvars, live_out, strict=True) if keep and not jc.is_literal(v)
+    }
+    dead = [False] * len(jaxpr.eqns)
+    outs_live: list[list[bool]] = [[]] * len(jaxpr.eqns)
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[i]
+        outs_live[i] = [v in live for v in eqn.outvars]
+        if eqn.effects or any(outs_live[i]):
+            live.update(v for v in eqn.invars if not jc.is_literal(v))
+        else:
+            dead[i] = True
+    return dead, outs_live
+
+
+def _walk(
+    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: Ctx, ns: Any, live_out: Any
+) -> list:
     env: dict[Any, Any] = {}
+    dead, outs_live = _dead_code(jaxpr, live_out)
 
     def read(a: Any) -> Any:
         return jc.literal_value(a) if jc.is_literal(a) else env[a]
@@ -414,14 +446,15 @@ def _walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: Ctx, ns: 
         env[v] = x
     for v, x in zip(jaxpr.invars, args, strict=True):
         env[v] = x
-    for eqn in jaxpr.eqns:
+    for i, eqn in enumerate(jaxpr.eqns):
         invals = [read(a) for a in eqn.invars]
         ens = jc.eqn_name_stack(eqn, ns)
         rule = rules.rule_for(eqn)
         if rule is not None and rule.kind == "call":
             body, body_consts = rule.body(eqn)
-            outs = _walk(body, body_consts, invals, ctx, ens)
+            outs = _walk(body, body_consts, invals, ctx, ens, outs_live[i])
         else:
+            ctx._dead_now = dead[i]
             k = ctx.count
             if ctx.stop_at is not None and k >= ctx.stop_at:
                 raise Stop({})
