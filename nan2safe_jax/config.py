@@ -14,6 +14,8 @@ import numbers
 
 from nan2safe_jax.probe import DEFAULT_PROBES, PROBE_KINDS
 
+_INT32_MAX = 2**31 - 1  # the jitted step's counters are int32
+
 
 def _check(ok: bool, name: str, value, accepted: str) -> None:
     if not ok:
@@ -50,15 +52,19 @@ class Config:
       loss_scale_downshift: factor applied to the loss scale on the first downshift (1/256).
       clip_norm: global-norm clip threshold in FAST; ``None`` disables clipping.
       clip_downshift: clip threshold factor below FAST (0.5).
-      safe_lr_factor: learning-rate factor while any site (or the whole model) is in SAFE.
+      safe_lr_factor: learning-rate factor of a SAFE site's own parameters while it is in SAFE
+        (of every parameter while the whole model is; a bare ``guard`` without the train
+        step's per-parameter ``lr_factors`` scales every parameter while anything is).
       safe_max_steps: longest SAFE stay before a site returns to STABLE.
       safe_backoff_max: cap on the number of doublings of a repeat offender's SAFE stay.
-      recovery_window: consecutive calm steps before STABLE returns to FAST.
+      recovery_window: consecutive calm steps before STABLE returns to FAST (a step the loss
+        scale skipped is not calm).
       ring_buffer: batches kept on the host for replay after a rollback; ``None`` (default)
         keeps ``checkpoint_every`` of them, so a rollback to the newest checkpoint can always
         replay every step since it. A value below ``checkpoint_every`` is an error.
       checkpoint_every: steps between checkpoints (trainer).
-      max_incidents: non-finite incidents after which the trainer stops with an error (located
+      max_incidents: non-finite incidents the trainer handles; the next one stops it with an
+        error (located
         faults, repeats, transients, damage; a batch reported as polluted input is skipped and
         not counted, but more than ``max_incidents`` of them in a row stop the run too).
       log_every: steps between metric records in ``metrics.jsonl`` (trainer).
@@ -68,8 +74,10 @@ class Config:
       spike_steps: consecutive steps above the line that make a spike.
       spike_skip_batches: batches skipped from the spike's first step after the rollback (the
         data that led into the spike).
-      spike_lr_factor: learning-rate factor for ``spike_lr_steps`` steps after the rollback.
-      spike_lr_steps: how long ``spike_lr_factor`` applies (0: the learning rate is kept).
+      spike_lr_factor: learning-rate factor after the rollback: for the replayed batches, then
+        ``spike_lr_steps`` more steps.
+      spike_lr_steps: steps past the replay that ``spike_lr_factor`` applies (0: the learning
+        rate is kept, the replay included).
       spike_max_rollbacks: loss-spike rollbacks at most per ``Trainer``; later spikes are logged.
       probes: the probe kinds the sites compute and the detector watches, a tuple of names from
         ``nan2safe_jax.probe.PROBE_KINDS``; default ``probe.DEFAULT_PROBES``: every kind but
@@ -177,10 +185,10 @@ class Config:
         )
         _check(is_num(self.lr_jump) and self.lr_jump > 0, "lr_jump", self.lr_jump, "> 0")
         _check(
-            is_int(self.lr_cooldown) and self.lr_cooldown >= 0,
+            is_int(self.lr_cooldown) and 0 <= self.lr_cooldown <= _INT32_MAX,
             "lr_cooldown",
             self.lr_cooldown,
-            "an int >= 0 (the write-up uses 30-50)",
+            f"an int in [0, {_INT32_MAX}] (the write-up uses 30-50)",
         )
         _check(
             is_num(self.lr_cooldown_factor) and self.lr_cooldown_factor >= 1,
@@ -208,10 +216,10 @@ class Config:
             f"in [loss_scale_min, loss_scale_max] = [{self.loss_scale_min}, {self.loss_scale_max}]",
         )
         _check(
-            is_int(self.loss_scale_period) and self.loss_scale_period >= 1,
+            is_int(self.loss_scale_period) and 1 <= self.loss_scale_period <= _INT32_MAX,
             "loss_scale_period",
             self.loss_scale_period,
-            "an int >= 1",
+            f"an int in [1, {_INT32_MAX}]",
         )
         _check(
             is_num(self.loss_scale_factor) and self.loss_scale_factor > 1,
@@ -256,10 +264,17 @@ class Config:
             "an int in [0, 16]",
         )
         _check(
-            is_int(self.recovery_window) and self.recovery_window >= 1,
+            self.safe_max_steps * 2**self.safe_backoff_max <= _INT32_MAX,
+            "safe_max_steps",
+            self.safe_max_steps,
+            f"at most {_INT32_MAX} once doubled safe_backoff_max ({self.safe_backoff_max}) "
+            "times: the step counts a SAFE stay in int32",
+        )
+        _check(
+            is_int(self.recovery_window) and 1 <= self.recovery_window <= _INT32_MAX,
             "recovery_window",
             self.recovery_window,
-            "an int >= 1",
+            f"an int in [1, {_INT32_MAX}] (the step counts it in int32)",
         )
         _check(
             self.ring_buffer is None or (is_int(self.ring_buffer) and self.ring_buffer >= 1),

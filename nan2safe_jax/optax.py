@@ -353,8 +353,54 @@ def guard(inner: optax.GradientTransformation, cfg: Config | None = None):
         )
         return new_updates, GuardState(ls, sk)
 
-    tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    tx = GuardTransformation(init_fn, update_fn)
+    tx.cfg = cfg
     return tx
+
+
+class GuardTransformation(optax.GradientTransformationExtraArgs):
+    """What ``guard`` returns: an optax transformation that also says, as ``cfg``, the
+    Config its loss scale, clip and SAFE learning-rate factor were made with (read by
+    ``TrainState.create``, which refuses a different one for those fields)."""
+
+    cfg: Config
+
+
+# The Config fields a guard reads: the loss scale, the geared clip, the SAFE lr factor.
+GUARD_FIELDS = (
+    "loss_scale_init",
+    "loss_scale_factor",
+    "loss_scale_period",
+    "loss_scale_min",
+    "loss_scale_max",
+    "loss_scale_downshift",
+    "clip_norm",
+    "clip_downshift",
+    "safe_lr_factor",
+)
+
+
+def check_guard_config(tx, cfg: Config) -> None:
+    """Raises when ``tx`` is a guard made with a Config that differs from ``cfg`` in a field
+    the guard reads: the guard's would win for those, silently, and the state's ``cfg`` say
+    otherwise.
+
+    Raises:
+      ValueError: naming each such field with both values.
+    """
+    made = getattr(tx, "cfg", None)
+    if not isinstance(tx, GuardTransformation) or not isinstance(made, Config):
+        return  # a guard inside another wrapper: its Config cannot be read
+    differ = [f for f in GUARD_FIELDS if getattr(made, f) != getattr(cfg, f)]
+    if differ:
+        raise ValueError(
+            "tx is a nan2safe guard made with another Config than cfg: "
+            + ", ".join(
+                f"{f} {getattr(made, f)!r} (guard) vs {getattr(cfg, f)!r} (cfg)" for f in differ
+            )
+            + ". Pass the same Config to both (guard(tx, cfg)), or the plain optimizer, which "
+            "is wrapped in guard(tx, cfg)"
+        )
 
 
 def update_outcomes(tx, grads, opt_state, params, **extra):

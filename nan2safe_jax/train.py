@@ -95,6 +95,7 @@ class TrainState(struct.PyTreeNode):
         # their defaults in the copy.
         model = fill_defaults(nnx.clone(model))
         graphdef, params, site_vars, rest = nnx.split(model, nnx.Param, SITE_VARIABLES, ...)
+        guard_lib.check_guard_config(tx, cfg)
         probe_opt = tx.init(params)
         if not guard_lib.is_guarded(probe_opt):
             tx = guard_lib.guard(tx, cfg)
@@ -404,8 +405,12 @@ def train_step(
         lr = lr_schedule(count)
     det, risk = det_lib.update(state.detector, probes, cfg, lr=lr)
 
+    # A step skipped for gradients that overflowed is not calm, whatever its probes read: the
+    # model did not train on it, so it never counts toward leaving STABLE.
+    calm = risk.calm & finite
+
     def decide(nonfinite):
-        return gear_lib.decide(gs, risk.risk, nonfinite, cfg, calm=risk.calm, sites_fast=fast_only)
+        return gear_lib.decide(gs, risk.risk, nonfinite, cfg, calm=calm, sites_fast=fast_only)
 
     decided = decide(downshift_now)
 

@@ -68,6 +68,12 @@ def test_frozen_and_hashable():
         ("ring_buffer", 0),
         ("checkpoint_every", True),
         ("max_incidents", 0),
+        # The jitted step counts these in int32: past it, a value was accepted and then crashed
+        # the step (OverflowError) or wrapped a SAFE stay negative.
+        ("recovery_window", 2**31),
+        ("lr_cooldown", 2**40),
+        ("loss_scale_period", 2**31),
+        ("safe_max_steps", 2**30),  # doubled safe_backoff_max (4) times
     ],
 )
 def test_invalid_value_names_the_field(field, value):

@@ -498,3 +498,48 @@ def test_the_detector_reads_the_rate_the_optimizer_applies_after_skipped_steps(f
     # three applied steps: counts 0, 1, 2 (MultiSteps: 0, 0, 1) when the fifth step ran
     want = {"MultiSteps": sched(1)}.get(form, sched(2))
     np.testing.assert_allclose(float(state.detector.last_lr), float(want), rtol=1e-6)
+
+
+def test_steps_skipped_for_overflowing_gradients_never_count_toward_leaving_stable(step):
+    """A step the loss scale skipped (finite loss, scaled gradients past fp16) did not train:
+    it is not calm, so ``recovery_window`` of them in STABLE do not return the model to FAST
+    (they did, and the next step was an incident again)."""
+    cfg = Config(
+        recovery_window=3,
+        loss_scale_init=2.0**24,
+        loss_scale_min=2.0**16,
+        loss_scale_downshift=1.0,
+    )
+    state = _state(jnp.float16, cfg)
+    state = state.replace(gear=G.set_level(state.gear, Gear.STABLE, cfg))
+    x, y = _data(5)
+    for i in range(5):
+        state, m = step(state, (x[i], y[i]))
+        assert bool(m["skipped"]) and not np.isfinite(float(m["grad_norm"]))
+        assert int(m["next_gear"]) == Gear.STABLE and int(state.gear.calm) == 0
+    # With a scale that fits, the same steps count and the model recovers after the window.
+    cfg = cfg.replace(loss_scale_init=1.0, loss_scale_min=1.0)
+    state = _state(jnp.float16, cfg)
+    state = state.replace(gear=G.set_level(state.gear, Gear.STABLE, cfg))
+    gears = []
+    for i in range(3):
+        state, m = step(state, (x[i], y[i]))
+        assert not bool(m["skipped"])
+        gears.append(int(m["next_gear"]))
+    assert gears == [Gear.STABLE, Gear.STABLE, Gear.FAST]
+
+
+def test_a_guard_made_with_another_config_is_refused_naming_the_fields():
+    """``TrainState.create`` keeps a guard the caller made; its loss scale, clip and SAFE lr
+    factor come from the guard's own Config. A ``cfg`` that differs there was ignored without
+    a word (``Config(clip_norm=None)`` with ``guard(sgd)`` still clipped at 1.0)."""
+    model = Net(rngs=nnx.Rngs(0))
+    cfg = Config(clip_norm=None, loss_scale_init=4.0)
+    with pytest.raises(ValueError, match="clip_norm 1.0 \\(guard\\) vs None \\(cfg\\)") as info:
+        TrainState.create(model, nan2safe.optax.guard(optax.sgd(1.0)), cfg)
+    assert "loss_scale_init" in str(info.value) and "safe_lr_factor" not in str(info.value)
+    for tx in (optax.sgd(1.0), nan2safe.optax.guard(optax.sgd(1.0), cfg)):
+        state = TrainState.create(model, tx, cfg)
+        assert float(state.loss_scale) == 4.0
+    # Fields the guard does not read may differ.
+    TrainState.create(model, nan2safe.optax.guard(optax.sgd(1.0)), Config(min_history=8))
