@@ -277,6 +277,9 @@ class Trainer:
         self.spikes = SpikeWatch(self.cfg)
         self.spike_rollbacks = 0
         self._lr_left = 0  # steps left at the lowered learning rate after a loss spike
+        # New batches a loss-spike rollback still has to skip, carried to the next ``fit`` when
+        # this one ran out of steps first.
+        self._discard = 0
         self.last_report = None
         self.step = 0
         self._last_sites: dict[str, Any] = {}
@@ -443,6 +446,9 @@ class Trainer:
 
         A rollback replays the batches since the restored checkpoint from the ring buffer on
         top of those: each replayed step appears in the history again, with ``"replay": True``.
+        A loss-spike rollback also skips the new batches that led into the spike; those it
+        has not skipped when ``steps`` run out are skipped by the next ``fit`` (give it the
+        same iterator: after such a skip ``trainer.step`` no longer indexes the data).
 
         Returns:
           Per-step metric dicts (host values), in the order the steps ran.
@@ -462,7 +468,6 @@ class Trainer:
         bar = _Progress(steps) if self.progress else None
         source = iter(batches)
         queued: collections.deque = collections.deque()  # (batch, is_replay) to run first
-        discard = 0  # new batches still to skip after a loss-spike rollback
         drawn = 0
         inflight: _Step | None = None
         finishing = False
@@ -470,6 +475,11 @@ class Trainer:
             self._watchdog = watchdog_lib.Watchdog(self.hang_timeout_s, self._on_hang)
             self._watchdog.arm()
         try:
+            if self.step == 0 and steps > 0 and not self.checkpoints.steps():
+                # The state training starts from is the first good checkpoint: a fault that
+                # repeats, or a state damaged, before checkpoint ``checkpoint_every`` can still
+                # be rolled back (to step 0, replaying the ring buffer) instead of trained on.
+                self._checkpoint(0, self.state)
             while True:
                 if queued:
                     batch, replayed = queued.popleft()
@@ -481,8 +491,8 @@ class Trainer:
                         steps = drawn
                 else:
                     batch = _END
-                if batch is not _END and not replayed and discard > 0:
-                    discard -= 1
+                if batch is not _END and not replayed and self._discard > 0:
+                    self._discard -= 1
                     continue
                 running = None if batch is _END else self._dispatch(batch, replayed)
                 done, inflight = inflight, running
@@ -496,7 +506,7 @@ class Trainer:
                         # Drop it; run the replayed batches, then this one again.
                         again = [] if running is None else [(batch, replayed)]
                         queued.extendleft(reversed([*restart.replay, *again]))
-                        discard += restart.discard
+                        self._discard += restart.discard
                         self.state, inflight = restart.state, None
                         self.step = int(restart.state.step)
                         continue

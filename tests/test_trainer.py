@@ -77,7 +77,7 @@ def test_one_trainer_per_workdir_and_a_changed_model_never_overwrites_the_run(tm
         Trainer(wider, optax.adam(1e-3), loss_fn, CFG, run)
     assert not second.closed
     assert (run / "run.json").read_text() == record
-    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [5]
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [0, 5]
     second.fit(_batches(1), steps=1)
     second.close()
 
@@ -96,10 +96,10 @@ def test_one_trainer_per_workdir_and_a_changed_model_never_overwrites_the_run(tm
     assert resume["config_changed"] == {"recovery_window": [8, 9]}
     assert json.loads((run / "run.json").read_text())["config"]["recovery_window"] == 9
 
-    with pytest.raises(ValueError, match=r"resume=False: .* checkpoints \(steps \[5, 10\]\)"):
+    with pytest.raises(ValueError, match=r"resume=False: .* checkpoints \(steps \[0, 5, 10\]\)"):
         Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, looser, run, resume=False)
     held = {p.name for p in (run / "checkpoints").iterdir()}
-    assert held == {"5", "10.orbax-checkpoint-tmp-1234"}, held
+    assert held == {"0", "5", "10.orbax-checkpoint-tmp-1234"}, held
     assert json.loads((run / "run.json").read_text())["config"]["recovery_window"] == 9
 
 
@@ -112,8 +112,8 @@ def test_clean_run_checkpoints_and_logs(tmp_path, capsys):
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
     assert len(lines) == 12 and lines[-1].startswith("step 12/12  loss ")
     assert len(hist) == 12 and all(np.isfinite(h["loss"]) for h in hist)
-    assert [e["step"] for e in tr.events if e["type"] == "checkpoint"] == [5, 10]
-    assert tr.checkpoints.steps() == [5, 10]
+    assert [e["step"] for e in tr.events if e["type"] == "checkpoint"] == [0, 5, 10]
+    assert tr.checkpoints.steps() == [0, 5, 10]
     assert len(read_metrics(tmp_path / "run")) == 12
     assert int(tr.state.step) == 12
     # An iterator shorter than ``steps`` ends ``fit`` early, said once in the log.
@@ -252,7 +252,7 @@ def test_damaged_state_is_rolled_back_and_never_trained_on(tmp_path):
     with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run") as tr:
         batches = _batches(16)
         tr.fit(batches[:7], steps=7)
-        assert tr.checkpoints.steps() == [5]
+        assert tr.checkpoints.steps() == [0, 5]
         # A bit flip in the live state: every weight NaN.
         tr.state = tr.state.replace(params=jax_tree_nan(tr.state.params))
         hist = tr.fit(batches[7:], steps=9)
@@ -270,6 +270,25 @@ def test_damaged_state_is_rolled_back_and_never_trained_on(tmp_path):
         assert int(tr.state.step) == tr.step == 16
         assert tr.checkpoints.steps() == [5, 10, 15]
         assert not any(e["type"] == "locate" for e in ev)
+
+
+def test_a_state_damaged_before_the_first_checkpoint_is_rolled_back_to_step_0(tmp_path):
+    """``fit`` saves the state training starts from as checkpoint 0, so damage before
+    checkpoint ``checkpoint_every`` is rolled back too (it was "no finite checkpoint to roll
+    back to", and the run went on from the damaged state)."""
+    with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run") as tr:
+        batches = _batches(8)
+        tr.fit(batches[:2], steps=2)
+        assert tr.checkpoints.steps() == [0]
+        tr.state = tr.state.replace(params=jax_tree_nan(tr.state.params))
+        hist = tr.fit(batches[2:], steps=6)
+        ev = tr.events
+        (rb,) = [e for e in ev if e["type"] == "rollback"]
+        assert (rb["step"], rb["to_step"], rb["cause"], rb["missing"]) == (2, 0, "damaged", [])
+        assert [h["step"] for h in hist if h.get("replay")] == [0, 1, 2]
+        assert not any("no finite checkpoint" in e.get("detail", "") for e in ev)
+        assert int(tr.state.step) == tr.step == 8 and tr.checkpoints.steps() == [0, 5]
+        assert all(np.isfinite(h["loss"]) for h in hist if h.get("replay") or h["step"] > 2)
 
 
 def test_a_model_variable_that_overflows_is_located_and_the_model_safe_stay_logged_once(
@@ -296,7 +315,7 @@ def test_a_model_variable_that_overflows_is_located_and_the_model_safe_stay_logg
     assert [(e["step"], e["scope"]) for e in enters] == [(3, "global")]
     assert [(e["step"], e["site"], e["scope"]) for e in exits] == [(3 + 1 + 3, None, "global")]
     assert not any(e["type"] in ("error", "rollback", "damaged") for e in ev)
-    assert tr.checkpoints.steps() == [5, 10] and np.isfinite(float(tr.state.rest["peak"][...]))
+    assert tr.checkpoints.steps() == [0, 5, 10] and np.isfinite(float(tr.state.rest["peak"][...]))
 
 
 def _poisoned_by_a_dead_feature():
@@ -340,7 +359,7 @@ def test_damage_no_step_check_sees_is_rolled_back_at_the_checkpoint_and_never_lo
         assert [h["step"] for h in hist if h.get("replay")] == [5, 6, 7, 8, 9]
         # Every checkpoint holds a finite state, and the run ends on one: batches 10-15
         # trained as steps 5-10 from the restored step-5 state.
-        assert tr.checkpoints.steps() == [5, 10] and int(tr.state.step) == tr.step == 11
+        assert tr.checkpoints.steps() == [0, 5, 10] and int(tr.state.step) == tr.step == 11
         assert bool(nan2safe_train.state_is_finite(tr.state))
         assert not any(e["type"] == "locate" for e in ev)
 
@@ -425,12 +444,12 @@ def test_sigkill_mid_run_resumes_from_the_last_complete_checkpoint(tmp_path):
         done = [
             p for p in ckpts.glob("*") if p.name.isdigit() and (p / "_CHECKPOINT_METADATA").exists()
         ]
-        if len(done) >= 2:
+        if len(done) >= 3:  # step 0's and two more
             break
         time.sleep(0.2)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert len(done) >= 2, "the child never wrote two checkpoints"
+    assert len(done) >= 3, "the child never wrote two checkpoints past step 0's"
 
     # Damage the newest checkpoint on purpose: resume must skip it with a warning.
     steps = sorted(int(p.name) for p in ckpts.glob("*") if p.name.isdigit())
@@ -538,6 +557,26 @@ def test_loss_spike_rolls_back_before_the_spike_and_skips_its_data(tmp_path):
     after = hist[[i for i, h in enumerate(hist) if h.get("replay")][0] :]
     assert max(h["loss"] for h in after) < 3.0 * spikes[0]["baseline"]
     assert tr.step == 20 and tr.spike_rollbacks == 1 and tr.log.closed
+
+
+def test_a_spike_skip_left_when_fit_runs_out_of_steps_is_done_by_the_next_fit(tmp_path):
+    """The spike is seen at step 13, the last of a ``fit(steps=14)``: the rollback replays 10
+    and 11 and drops 12 and 13, and the two new batches it still owes (14, 15) are skipped by the
+    next ``fit`` on the same iterator (they were forgotten, and the spiky data trained)."""
+    cfg = Config(
+        checkpoint_every=5, min_history=4, window=8, spike_factor=3.0, spike_steps=2,
+        spike_skip_batches=4,
+    )  # fmt: skip
+    x, y = data(24)
+    batches = iter([(x[i], y[i] * (100.0 if 12 <= i < 16 else 1.0)) for i in range(24)])
+    with Trainer(Net(rngs=nnx.Rngs(0)), optax.sgd(1e-2), loss_fn, cfg, tmp_path / "r") as tr:
+        first = tr.fit(batches, steps=14)
+        assert [h["step"] for h in first if h.get("replay")] == [10, 11] and tr.step == 12
+        second = tr.fit(batches, steps=10)
+        ev = tr.events
+    (spike,) = [e for e in ev if e["type"] == "spike"]
+    assert [h["step"] for h in second] == list(range(12, 20)) and tr.step == 20
+    assert max(h["loss"] for h in second) < 3.0 * spike["baseline"]
 
 
 def test_a_spike_past_the_rollback_cap_is_logged_once_and_its_level_accepted(tmp_path):
@@ -744,5 +783,5 @@ def test_an_exception_out_of_fit_finishes_the_step_in_flight_first(tmp_path):
             tr.fit(source(), steps=8)
         assert tr.step == 5 and int(tr.state.step) == 5
         assert [m["step"] for m in read_metrics(tmp_path / "run")][-1] == 4
-        assert tr.checkpoints.steps() == [5]
+        assert tr.checkpoints.steps() == [0, 5]
         assert len(tr.fit(_batches(2), steps=2)) == 2 and tr.step == 7
