@@ -23,6 +23,9 @@ Adopting nan2safe takes two steps, shown by ``build``:
 2. the attention core (``attend``: logits, mask fill, softmax, weighted sum) becomes a user
    site, ``nan2safe.nn.Site(attend, safe=attend_safe)``: ``Config(core_site=True)``. That is the
    one line of model code to change; tier 2 can then put one layer's core in SAFE.
+
+Run it: ``python -m examples.gemma_nnx`` from the repository root (a ``Trainer`` through the
+fault, every step printed); ``pytest -m slow tests/test_adopt_examples.py`` checks it.
 """
 
 from __future__ import annotations
@@ -222,3 +225,13 @@ def build(cfg: Config | None = None, *, seed: int = 0):
     """The adopted model: ``Transformer(core_site=True)`` converted. Returns ``(model, report)``."""
     cfg = cfg or Config(core_site=True)
     return nan2safe.nn.convert(Transformer(cfg, rngs=nnx.Rngs(seed)), return_report=True)
+
+
+if __name__ == "__main__":  # python -m examples.gemma_nnx (from the repository root)
+    from examples._fit import fit_through_the_fault
+
+    model, report = build()
+    batches = [
+        make_batch(jax.random.key(i), Config(), left_pad=3 * (i in (1, 3))) for i in range(6)
+    ]
+    fit_through_the_fault(model, loss_fn, batches, report)

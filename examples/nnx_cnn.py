@@ -14,6 +14,9 @@ for weights grown that large by training, which would take many steps to reprodu
 ``convert`` makes ``linear1`` and ``linear2`` sites and reports the two ``nnx.Conv`` layers
 as left alone (no ``nan2safe.nn`` counterpart); tier 2 then names ``linear1`` and puts it
 alone in SAFE (f32 arithmetic, saturated back to fp16).
+
+Run it: ``python -m examples.nnx_cnn`` from the repository root (a ``Trainer`` through the
+fault, every step printed); ``pytest -m slow tests/test_adopt_examples.py`` checks it.
 """
 
 from __future__ import annotations
@@ -75,3 +78,11 @@ def build(*, faulty: bool = True, seed: int = 0):
     init = nnx.initializers.normal(stddev=2000.0) if faulty else nnx.initializers.lecun_normal()
     model = CNN(dtype=jnp.float16, linear1_init=init, rngs=nnx.Rngs(seed))
     return nan2safe.nn.convert(model, return_report=True)
+
+
+if __name__ == "__main__":  # python -m examples.nnx_cnn (from the repository root)
+    from examples._fit import fit_through_the_fault
+
+    model, report = build(faulty=True)
+    batches = [make_batch(jax.random.key(i)) for i in range(6)]
+    fit_through_the_fault(model, loss_fn, batches, report)

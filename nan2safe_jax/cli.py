@@ -146,13 +146,23 @@ def _report(args) -> int:
     return 0
 
 
+def _benchmarks() -> list[str]:
+    """The scripts of ``benchmarks/`` that run as a program (not the modules they share, e.g.
+    ``measure``, which printed nothing and exited 0 when named)."""
+    return sorted(
+        p.stem
+        for p in (_REPO / "benchmarks").glob("*.py")
+        if p.stem[0] != "_" and 'if __name__ == "__main__":' in p.read_text()
+    )
+
+
 def _bench(args) -> int:
-    have = sorted(p.stem for p in (_REPO / "benchmarks").glob("*.py") if p.stem[0] != "_")
+    have = _benchmarks()
     if args.name is None:
         print(f"nan2safe bench NAME [ARGS...]: name one of {have}", file=sys.stderr)
         return 2
     script = _REPO / "benchmarks" / f"{args.name}.py"
-    if not script.exists():
+    if args.name not in have:
         print(f"no benchmark {args.name!r}; have {have}", file=sys.stderr)
         return 2
     sys.argv = [str(script), *args.rest]
@@ -192,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     rep.set_defaults(fn=_report)
 
-    names = sorted(p.stem for p in (_REPO / "benchmarks").glob("*.py") if p.stem[0] != "_")
+    names = _benchmarks()
     bench = sub.add_parser("bench", help="run benchmarks/NAME.py with the given arguments")
     bench.add_argument(
         "name", nargs="?", help=f"one of {', '.join(names)} (a checkout's benchmarks/)"

@@ -444,7 +444,10 @@ def test_cli_bench_without_a_name_and_locate_with_another_models_factory_say_so(
 
     assert cli.main(["bench"]) == 2
     err = capsys.readouterr().err
-    assert "name one of" in err and "overhead" in err
+    assert "name one of" in err and "overhead" in err and "'measure'" not in err
+    # A module the benchmarks share is no benchmark: it ran, printed nothing and returned 0.
+    assert cli.main(["bench", "measure", "--help"]) == 2
+    assert "no benchmark 'measure'" in capsys.readouterr().err
     state = TrainState.create(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), Config())
     batch = (np.zeros((2, 16), np.float32), np.zeros((2, 1), np.float32))
     Trainer._save_incident(types.SimpleNamespace(workdir=tmp_path), 3, state, batch)
