@@ -227,9 +227,10 @@ class Linear(_Site):
 def _promoted(promote, inputs, kernel, bias, dtype):
     """``(*promote((inputs, kernel, bias), dtype=dtype), compute dtype)``, except that with
     flax's own ``promote_dtype`` a float input and the weights come back as given, with the
-    dtype ``promote_dtype`` would cast them to: ``ops.linear(..., dtype=)`` casts them to it
-    in FAST and STABLE, and to f32 in SAFE, so SAFE computes an fp16 layer from its f32
-    weights and f32 inputs, not from their casts (inf past 65504). A custom
+    dtype ``promote_dtype`` would cast them to: ``ops.linear(..., dtype=)`` (and
+    ``ops.layer_norm`` / ``ops.rms_norm``) cast them to it in FAST and STABLE, and to f32 in
+    SAFE, so SAFE computes an fp16 layer from its f32 weights and f32 inputs, not from their
+    casts (inf past 65504). A custom
     ``promote_dtype`` gives its own operands to every gear (compute dtype None)."""
     if promote is not _promote:
         return (*promote((jnp.asarray(inputs), kernel, bias), dtype=dtype), None)
@@ -443,8 +444,8 @@ class LayerNorm(_Site):
 
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
         with self._scope():
-            x, scale, bias = self.promote_dtype(
-                (jnp.asarray(x), _value(self.scale), _value(self.bias)), dtype=self.dtype
+            x, scale, bias, cdtype = _promoted(
+                self.promote_dtype, x, _value(self.scale), _value(self.bias), self.dtype
             )
             y, st = ops.layer_norm(
                 x,
@@ -456,6 +457,7 @@ class LayerNorm(_Site):
                 use_fast_variance=self.use_fast_variance,
                 return_stats=True,
                 stats=_norm_stats(),
+                dtype=cdtype,
             )
             _write_norm_probes(self, st)
         return y
@@ -526,7 +528,13 @@ class RMSNorm(_Site):
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         with self._scope():
-            x, scale = self.promote_dtype((jnp.asarray(x), _value(self.scale)), dtype=self.dtype)
+            if self.promote_dtype is _promote:
+                x, scale, _, cdtype = _promoted(_promote, x, _value(self.scale), None, self.dtype)
+            else:  # a custom one gets the pair flax's RMSNorm gives it
+                x, scale = self.promote_dtype(
+                    (jnp.asarray(x), _value(self.scale)), dtype=self.dtype
+                )
+                cdtype = None
             y, st = ops.rms_norm(
                 x,
                 scale,
@@ -536,6 +544,7 @@ class RMSNorm(_Site):
                 use_fast_variance=self.use_fast_variance,
                 return_stats=True,
                 stats=_norm_stats(),
+                dtype=cdtype,
             )
             _write_norm_probes(self, st)
         return y

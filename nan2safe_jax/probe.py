@@ -283,7 +283,7 @@ def sample_rows(
     row, at most ``max_elements`` values (a 1-D or scalar ``a`` is one row). ``stride``: take
     another array's (``sample_stride`` of its shape), e.g. the same rows of an op's per-row
     statistics ``[..., 1]`` as of its output."""
-    rows = a.reshape(-1, a.shape[-1]) if a.ndim > 1 else a.reshape(1, -1)
+    rows = a.reshape(math.prod(a.shape[:-1]), a.shape[-1]) if a.ndim > 1 else a.reshape(1, -1)
     return rows[:: sample_stride(a.shape, max_elements) if stride is None else stride]
 
 

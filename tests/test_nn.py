@@ -266,6 +266,32 @@ def test_an_fp16_layer_whose_f32_operand_overflows_the_cast_is_located_and_safe_
     assert report.primitive == "convert_element_type" and report.site == type(layer).__name__
 
 
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+def test_an_fp16_norm_whose_f32_input_overflows_the_cast_is_located_and_safe_computes_it(kind):
+    """As the Linear family above: an f32 input past 65504 into an fp16 norm was cast before
+    the gear was chosen, so SAFE normalised infs (NaN at every gear). SAFE reads the f32 input
+    now and matches the f64 reference; FAST stays flax's (inf, then NaN)."""
+    from nan2safe_jax import replay
+
+    layer = getattr(nn, kind)(4, dtype=jnp.float16, rngs=nnx.Rngs(0))
+    twin = getattr(nnx, kind)(4, dtype=jnp.float16, rngs=nnx.Rngs(0))
+    x = jnp.asarray([[1e5, -1e5, 5e4, 0.0], [1.0, 2.0, 3.0, 4.5]], jnp.float32)
+    out = {}
+    for g in (0, 2):
+        layer.gear[...] = jnp.asarray(g, layer.gear[...].dtype)
+        out[g] = layer(x)
+    assert out[0].dtype == out[2].dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(twin(x)))  # flax's, NaN
+    assert not _finite(out[0]) and _finite(out[2])
+    x64 = np.asarray(x, np.float64)
+    centred = x64 - x64.mean(-1, keepdims=True) if kind == "LayerNorm" else x64
+    want = centred / np.sqrt(np.mean(np.square(centred), -1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(np.asarray(out[2], np.float64), want, rtol=2e-3, atol=2e-3)
+    layer.gear[...] = jnp.asarray(0, layer.gear[...].dtype)
+    report = replay.locate(jax.make_jaxpr(layer)(x), (x,))
+    assert report.primitive == "convert_element_type" and report.site == kind
+
+
 def test_router_fault_injection():
     """fp16 router scores past 65504 (growing router weights): NaN gates in FAST, SAFE fixes."""
     router = nn.Router(8, 4, 2, dtype=F16, rngs=nnx.Rngs(0))

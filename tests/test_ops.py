@@ -558,6 +558,72 @@ def test_safe_attention_beyond_f32_range():
     assert not _finite(f(q, k, v, jnp.int32(1)))
 
 
+@pytest.mark.parametrize("dtype", [F32, jnp.bfloat16])
+@pytest.mark.parametrize("op", ["attention", "router"])
+def test_safe_gradients_past_the_f32_range_are_finite_under_jit(op, dtype):
+    """SAFE undoes the range compression one power of two at a time; XLA folded the two into
+    one product, inf once the exponents sum past 127, and ``0 * inf`` made the jitted gradient
+    NaN where the eager one was finite (newuser28). Both agree now."""
+    rng = _rng(4)
+    if op == "router":
+        kernel = jnp.asarray(rng.normal(size=(5, 4)), F32) * 1e10
+        x = (jnp.asarray(rng.normal(size=(3, 5)), F32) * 1e30).astype(dtype)
+
+        def f(x):
+            gates = ops.router(x, kernel.astype(dtype), 2, gear=Gear.SAFE).gates
+            return jnp.sum(gates.astype(F32) * jnp.asarray([1.0, 2.0]))
+
+    else:
+        k = jnp.asarray(rng.normal(size=(1, 4, 2, 4)), F32)
+        x = (jnp.asarray(rng.normal(size=(1, 3, 2, 4)), F32) * 1e20).astype(dtype)
+
+        def f(x):
+            y = ops.attention(x, (k * 1e20).astype(dtype), k.astype(dtype), gear=Gear.SAFE)
+            return jnp.sum(y.astype(F32))
+
+    eager, jitted = jax.grad(f)(x), jax.jit(jax.grad(f))(x)
+    assert _finite(eager) and _finite(jitted)
+    np.testing.assert_array_equal(np.asarray(eager, F32), np.asarray(jitted, F32))
+
+
+@pytest.mark.parametrize("traced", [False, True])
+@pytest.mark.parametrize("gear", [0, 1, 2])
+def test_an_empty_axis_gives_the_empty_result_at_every_gear(gear, traced):
+    """``[2, 0]`` in, as ``jax.nn`` and ``flax.nnx`` give: the sampled probe rows, the kernels'
+    row layout and SAFE's ``max`` failed on it (``ZeroDivisionError``, ``ValueError``), at
+    FAST too when the gear is traced (every branch is)."""
+    x = jnp.ones((2, 0), F32)
+    g = jnp.int32(gear) if traced else gear
+    calls = {
+        "softmax": lambda x, g: ops.softmax(x, gear=g),
+        "layer_norm": lambda x, g: ops.layer_norm(x, None, None, gear=g),
+        "rms_norm": lambda x, g: ops.rms_norm(x, None, gear=g),
+    }
+    for name, f in calls.items():
+        run = jax.jit(f) if traced else f
+        assert run(x, g).shape == (2, 0), name
+        grad = jax.grad(lambda x, f=f: jnp.sum(f(x, g)))(x)
+        assert grad.shape == (2, 0), name
+    lse = ops.logsumexp(x, gear=g)
+    want = -np.inf if gear < 2 else np.log(np.finfo(np.float32).tiny)  # SAFE's clamped log
+    np.testing.assert_allclose(np.asarray(lse), [want, want], rtol=1e-6)
+
+
+@pytest.mark.parametrize("gear", [0, 1, 2])
+def test_attention_takes_a_value_dim_other_than_the_head_dim(gear):
+    """``v: [b, k, kv_heads, v_dim]`` as documented: the fused FAST path reshaped its output to
+    the query's head dim and raised at FAST, at f32 STABLE and at every traced gear."""
+    rng = _rng(0)
+    q = jnp.asarray(rng.normal(size=(1, 2, 1, 4)), F32)
+    k = jnp.asarray(rng.normal(size=(1, 3, 1, 4)), F32)
+    v = jnp.asarray(rng.normal(size=(1, 3, 1, 2)), F32)
+    logits = np.einsum("bqhd,bkhd->bhqk", np.float64(q), np.float64(k)) / 2.0
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    want = np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), np.float64(v))
+    for y in (ops.attention(q, k, v, gear=gear), jax.jit(ops.attention)(q, k, v, gear=gear)):
+        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------
 # the gear as data
 

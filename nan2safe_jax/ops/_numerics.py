@@ -32,6 +32,19 @@ def _pow2(e: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(lax.shift_left(e + 127, jnp.int32(23)), _F32)
 
 
+def _scale_back(x: jax.Array, *exponents: jax.Array) -> jax.Array:
+    """``x * 2**e1 * 2**e2 ...``, one exact power of two at a time, with an optimization
+    barrier between them (forward and backward): XLA folds a chain of multiplications by
+    broadcast scalars into one product, and ``2**e1 * 2**e2`` is inf once ``e1 + e2 >= 128``
+    (SAFE's logits past the f32 range), so ``0 * inf`` made the gradient NaN under ``jit``
+    where the eager one was finite."""
+    for i, e in enumerate(exponents):
+        if i:
+            x = lax.optimization_barrier(x)
+        x = x * _pow2(e)
+    return x
+
+
 def _range_exponent(x: jax.Array, axis=None, keepdims=False) -> jax.Array:
     """``e`` with ``max|x| * 2**-e`` in [0.5, 1) (0 for an all-zero or non-finite max).
 

@@ -45,6 +45,7 @@ from nan2safe_jax.ops._numerics import (
     _pow2,
     _range_exponent,
     _saturate,
+    _scale_back,
 )
 from nan2safe_jax.ops.dispatch import switch
 
@@ -150,7 +151,7 @@ def _fast_fused(q, k, v, mask, mult, scale, *, causal, precision, weights, want=
     out, row_max, pmax = jax.vmap(
         core, in_axes=(3, None, None, None if mask is None else 2, None), out_axes=(3, 2, 2)
     )(qg, k, v, mask, scale)
-    return jnp.reshape(out, (b, t, n, h)), _attn_stats(row_max, pmax), None
+    return jnp.reshape(out, (b, t, n, v.shape[-1])), _attn_stats(row_max, pmax), None
 
 
 def _fast_explicit(q, k, v, mask, mult, scale, *, causal, precision, weights, want=ATTN_STATS):
@@ -242,7 +243,7 @@ def _attn_safe(q, k, v, mask, mult, scale, *, causal, base_scale, weights, want=
     eqt = jnp.transpose(eq, (0, 2, 1, 3))  # [b, h, 1, 1]
     ekt = jnp.transpose(ek, (0, 2, 1, 3))
     sc = jnp.float32(base_scale) * scale
-    d = d * _pow2(eqt) * _pow2(ekt) * sc
+    d = _scale_back(d, eqt, ekt) * sc
     probs = _kernels().safe_softmax(d, axis=-1, where=valid)
     sown = probs.astype(dt) if weights else None
     p = probs if mult is None else probs * mult.astype(_F32)

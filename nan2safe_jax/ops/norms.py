@@ -65,8 +65,16 @@ def _flax_stats(x, mask, *, center, fast_var):
     return mu, lax.square(xs - jnp.expand_dims(mu, axes)).mean(axes, where=mask)
 
 
-def _norm_fast(x, scale, bias, mask, *, eps, center, fast_var, want):
+def _operands(x, scale, bias, dtype):
+    """FAST's and STABLE's operands: ``x``, ``scale`` and ``bias`` in the compute ``dtype``
+    (flax's ``promote_dtype``; no-ops when they are in it already)."""
+    cast = lambda a: None if a is None else a.astype(dtype)  # noqa: E731
+    return cast(x), cast(scale), cast(bias)
+
+
+def _norm_fast(x, scale, bias, mask, *, eps, center, fast_var, want, dtype):
     """flax's ``_normalize`` after ``_compute_stats``; the probe is ``rsqrt(var + eps)``."""
+    x, scale, bias = _operands(x, scale, bias, dtype)
     mean, var = _flax_stats(x, mask, center=center, fast_var=fast_var)
     stats_shape = x.shape[:-1] + (1,)
     mean, var = mean.reshape(stats_shape), var.reshape(stats_shape)
@@ -110,8 +118,9 @@ def _with_output(y, st, want):
     return y, st
 
 
-def _norm_stable(x, scale, bias, mask, *, eps, center, fast_var, want):
+def _norm_stable(x, scale, bias, mask, *, eps, center, fast_var, want, dtype):
     del fast_var  # STABLE always takes the two-pass variance
+    x, scale, bias = _operands(x, scale, bias, dtype)
     xf = x.astype(_F32)
     mean, var = _flax_stats(xf, mask, center=center, fast_var=False)
     mean, var = mean[..., None], var[..., None]
@@ -143,7 +152,9 @@ def _safe_probes(xf, eps, center, dtype, want, mask=None):
     rows and their ``inv_std``."""
     e = _range_exponent(xf, axis=-1, keepdims=True)
     xs = xf * _pow2(-e)
-    rms = (jnp.sqrt(_row_mean(jnp.square(xs), mask)) * _pow2(e)).astype(dtype)
+    # Saturated: an f32 input past an fp16 layer's range reads as its max (full headroom risk),
+    # not inf (the rms of values in ``dtype`` never passes its max).
+    rms = _saturate(jnp.sqrt(_row_mean(jnp.square(xs), mask)) * _pow2(e), dtype)
     xc = xs - _row_mean(xs, mask) if center else xs
     inv = _safe_inv_std(xc, eps * _pow2(-2 * e), mask)
     st = {"inv_std": probe.op_stats(inv * _pow2(-e)), "input_rms": probe.op_stats(rms)}
@@ -157,18 +168,21 @@ def _norm_safe_masked(xf, scale, bias, mask, eps, center, dtype, want):
     return _affine(xc * inv, _f32(scale), _f32(bias)), st
 
 
-def _norm_safe(x, scale, bias, mask, *, eps, center, fast_var, want):
+def _norm_safe(x, scale, bias, mask, *, eps, center, fast_var, want, dtype):
+    """SAFE reads ``x``, ``scale`` and ``bias`` as given, in f32 (an fp16 layer's f32 input
+    past 65504 stays finite here; FAST's cast to ``dtype`` made it inf at every gear), and
+    returns ``dtype``, saturated."""
     del fast_var
     xf = x.astype(_F32)
     if mask is not None:
-        y, st = _norm_safe_masked(xf, scale, bias, mask, eps, center, x.dtype, want)
-        return _with_output(_saturate(y, x.dtype), st, want)
+        y, st = _norm_safe_masked(xf, scale, bias, mask, eps, center, dtype, want)
+        return _with_output(_saturate(y, dtype), st, want)
     if center:
         y = _kernels().safe_layer_norm(xf, _f32(scale), _f32(bias), eps=eps)
     else:
         y = _kernels().safe_rms_norm(xf, _f32(scale), eps=eps)
-    st = _safe_probes(xf, eps, center, x.dtype, want)[0] if {"inv_std", "input_rms"} & want else {}
-    return _with_output(_saturate(y, x.dtype), st, want)
+    st = _safe_probes(xf, eps, center, dtype, want)[0] if {"inv_std", "input_rms"} & want else {}
+    return _with_output(_saturate(y, dtype), st, want)
 
 
 def _f32(a):
@@ -178,15 +192,19 @@ def _f32(a):
 NORM_STATS = ("output", "inv_std", "input_rms")
 
 
-def _norm(x, scale, bias, eps, gear, mask, use_fast_variance, center, stats):
+def _norm(x, scale, bias, eps, gear, mask, use_fast_variance, center, stats, dtype=None):
     if set(stats) - set(NORM_STATS):
         raise ValueError(f"norm: stats must be among {NORM_STATS}, got {stats!r}")
     x = jnp.asarray(x)
-    x = x.astype(_float_dtype(x))
-    scale = None if scale is None else jnp.asarray(scale).astype(x.dtype)
-    bias = None if bias is None else jnp.asarray(bias).astype(x.dtype)
+    scale = None if scale is None else jnp.asarray(scale)
+    bias = None if bias is None else jnp.asarray(bias)
+    if dtype is None:
+        x = x.astype(_float_dtype(x))
+        scale = None if scale is None else scale.astype(x.dtype)
+        bias = None if bias is None else bias.astype(x.dtype)
+    dtype = x.dtype if dtype is None else jnp.dtype(dtype)
     mask = None if mask is None else jnp.broadcast_to(jnp.asarray(mask, bool), x.shape)
-    kw = dict(eps=float(eps), center=center, fast_var=bool(use_fast_variance))
+    kw = dict(eps=float(eps), center=center, fast_var=bool(use_fast_variance), dtype=dtype)
     kw["want"] = frozenset(stats)
     branches = [functools.partial(f, **kw) for f in (_norm_fast, _norm_stable, _norm_safe)]
     return switch(gear, branches, x, scale, bias, mask)
@@ -203,6 +221,7 @@ def layer_norm(
     use_fast_variance: bool = True,
     return_stats: bool = False,
     stats: tuple[str, ...] = NORM_STATS,
+    dtype: Any = None,
 ):
     """LayerNorm over the last axis: ``(x - mean) / sqrt(var + eps) * scale + bias``.
 
@@ -225,11 +244,17 @@ def layer_norm(
         ``max_abs`` is the largest row's scale: the precursor of activations that grow until
         they overflow).
       stats: which of ``NORM_STATS`` ``return_stats`` computes (one left out is not traced).
+      dtype: the dtype FAST and STABLE compute in (None: ``x``'s float dtype, with ``scale``
+        and ``bias`` cast to it first). ``x``, ``scale`` and ``bias`` are cast to it inside
+        those paths (flax's ``promote_dtype``), so SAFE reads them as given, in f32: an fp16
+        layer's f32 input past 65504 stays finite there, where a cast before the gear is
+        chosen made it inf at every gear.
 
     Returns:
-      ``x``'s float dtype, same shape; with ``return_stats`` a tuple ``(y, stats)``.
+      ``dtype`` (or ``x``'s float dtype), same shape; with ``return_stats`` a tuple
+      ``(y, stats)``.
     """
-    y, st = _norm(x, scale, bias, eps, gear, mask, use_fast_variance, True, stats)
+    y, st = _norm(x, scale, bias, eps, gear, mask, use_fast_variance, True, stats, dtype)
     return (y, st) if return_stats else y
 
 
@@ -243,6 +268,7 @@ def rms_norm(
     use_fast_variance: bool = True,
     return_stats: bool = False,
     stats: tuple[str, ...] = NORM_STATS,
+    dtype: Any = None,
 ):
     """RMSNorm over the last axis: ``x / sqrt(mean(x²) + eps) * scale``.
 
@@ -250,5 +276,5 @@ def rms_norm(
     accepted as flax does (RMSNorm takes no mean, so it changes nothing). Arguments and
     returns as ``layer_norm``.
     """
-    y, st = _norm(x, scale, None, eps, gear, mask, use_fast_variance, False, stats)
+    y, st = _norm(x, scale, None, eps, gear, mask, use_fast_variance, False, stats, dtype)
     return (y, st) if return_stats else y

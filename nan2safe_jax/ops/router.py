@@ -19,6 +19,7 @@ from nan2safe_jax.ops._numerics import (
     _pow2,
     _range_exponent,
     _saturate,
+    _scale_back,
 )
 from nan2safe_jax.ops.dispatch import switch
 from nan2safe_jax.ops.linear import _dot_last
@@ -62,7 +63,7 @@ def _router_safe(x, kernel, *, top_k, stats):
     lc = _dot_last(xf * _pow2(-ex), kf * _pow2(-ek), precision=_HIGHEST)  # |lc| <= in_features
     mx = lax.stop_gradient(jnp.max(lc, axis=-1, keepdims=True))
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    d = (lc - mx) * _pow2(ex) * _pow2(ek)  # shifted true logits: max exactly 0, others may be -inf
+    d = _scale_back(lc - mx, ex, ek)  # shifted true logits: max exactly 0, others may be -inf
     probs = _kernels().safe_softmax(d, axis=-1)
     top_p, idx = lax.top_k(probs, top_k)
     denom = jnp.sum(top_p, axis=-1, keepdims=True)  # >= the top-1 prob >= 1/num_experts

@@ -75,7 +75,7 @@ def _lse_stable(x, where, axis, keepdims):
 def _lse_safe(x, where, axis, keepdims):
     xf = x.astype(_F32)
     valid = jnp.ones(x.shape, bool) if where is None else where
-    m = jnp.max(jnp.where(valid, xf, -jnp.inf), axis=axis, keepdims=True)
+    m = jnp.max(jnp.where(valid, xf, -jnp.inf), axis=axis, keepdims=True, initial=-jnp.inf)
     m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
     z = jnp.where(valid, xf - m, 0.0)  # double-where: no exp of a masked (maybe huge) entry
     e = jnp.where(valid, jnp.exp(z), 0.0)

@@ -103,6 +103,8 @@ def _call(x, scale, bias, eps, kind, implementation, with_count):
     n = x.shape[-1]
     scale = _param(scale, n, "scale", op)
     bias = _param(bias, n, "bias", op)
+    if x.size == 0:  # no row to normalise (an empty axis): nothing to compute
+        return (x, jnp.zeros([], jnp.int32)) if with_count else x
     impl, interpret = _common.resolve(implementation, op)
     y, count = _safe_norm_jit(x, scale, bias, float(eps), kind, impl, interpret)
     return (y, count) if with_count else y

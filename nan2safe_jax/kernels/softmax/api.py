@@ -104,6 +104,8 @@ def safe_softmax(
                 f"{x.shape}"
             ) from None
         where = jnp.broadcast_to(where.astype(bool), x.shape)
+    if x.size == 0:  # no row to reduce (an empty axis): nothing to compute, nothing non-finite
+        return (x, jnp.zeros([], jnp.int32)) if with_count else x
     impl, interpret = _common.resolve(implementation, "safe_softmax")
     y, count = _safe_softmax_jit(x, where, axis, impl, interpret)
     return (y, count) if with_count else y
