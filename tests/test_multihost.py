@@ -110,7 +110,7 @@ def _same_incident_in_both(r0: dict, r1: dict) -> None:
     assert loc["step"] == 6 and loc["site"] == "blocks.0"
     assert loc["shards"]["processes"] == [1]  # process 1 held the bad row
     assert loc["shards"]["by_shard"][0]["rows"] == [CONSTANT_ROW]
-    assert r0["checkpoints"] == r1["checkpoints"] == [5, 10]
+    assert r0["checkpoints"] == r1["checkpoints"] == [0, 5, 10]
 
 
 def _one_log(run: Path, r0: dict) -> None:
