@@ -71,6 +71,16 @@ class _Restart:
     state: TrainState
     replay: list = dataclasses.field(default_factory=list)  # batches to run first, in order
     discard: int = 0  # new batches to skip after those (the data that led into a loss spike)
+    rolled_back: bool = False  # ``state`` is a checkpoint's, not this step's
+    # For a ``fit`` fed again from the restored step (the replay was not run: ``fit`` was left
+    # by an exception): (batches to train first, batches to skip then).
+    refed_skip: tuple[int, int] = (0, 0)
+
+    @property
+    def in_place(self) -> bool:
+        """The step's own result with something changed (gears, the learning rate): its batch
+        goes to the ring buffer and a checkpoint due at this step saves ``state``."""
+        return not (self.replay or self.discard or self.rolled_back)
 
 
 @dataclasses.dataclass
@@ -277,9 +287,10 @@ class Trainer:
         self.spikes = SpikeWatch(self.cfg)
         self.spike_rollbacks = 0
         self._lr_left = 0  # steps left at the lowered learning rate after a loss spike
-        # New batches a loss-spike rollback still has to skip, carried to the next ``fit`` when
-        # this one ran out of steps first.
+        # New batches a loss-spike rollback still has to skip (after ``_skip_in`` more are
+        # trained), carried to the next ``fit`` when this one ran out of steps first.
         self._discard = 0
+        self._skip_in = 0
         self.last_report = None
         self.step = 0
         self._last_sites: dict[str, Any] = {}
@@ -492,8 +503,10 @@ class Trainer:
                 else:
                     batch = _END
                 if batch is not _END and not replayed and self._discard > 0:
-                    self._discard -= 1
-                    continue
+                    if self._skip_in == 0:
+                        self._discard -= 1
+                        continue
+                    self._skip_in -= 1
                 running = None if batch is _END else self._dispatch(batch, replayed)
                 done, inflight = inflight, running
                 if done is not None:
@@ -507,6 +520,7 @@ class Trainer:
                         again = [] if running is None else [(batch, replayed)]
                         queued.extendleft(reversed([*restart.replay, *again]))
                         self._discard += restart.discard
+                        self._skip_in = 0
                         self.state, inflight = restart.state, None
                         self.step = int(restart.state.step)
                         continue
@@ -543,7 +557,9 @@ class Trainer:
         due. Without this a resume started a step short and a fault in that step went
         unhandled, its downshift and loss-scale cut kept. A state tier 2 replaces (new gears,
         a rollback) becomes the trainer's; its replayed batches are not run (the next ``fit``
-        goes on from ``self.step``). A failure here is logged, and ``err`` raised all the same.
+        goes on from ``self.step``, and after a loss-spike rollback skips the spike's batches
+        among those it is fed from there). A failure here is logged, and ``err`` raised all
+        the same.
         Not in a run of several processes: the step's checkpoint and tier 2 are collective, and
         the other processes, which did not fail, are not there to join them.
         """
@@ -553,6 +569,8 @@ class Trainer:
             restart = self._finish(done, history, bar)
             if restart is not None:
                 self.state, self.step = restart.state, int(restart.state.step)
+                if not restart.in_place:  # fed again from ``self.step``: skip the spike's data
+                    self._skip_in, self._discard = restart.refed_skip
         except Exception as also:  # noqa: BLE001 - the first exception is the one raised
             detail = f"finishing step {done.step} after {type(err).__name__}: {also!r}"
             try:
@@ -614,7 +632,7 @@ class Trainer:
             if self._lr_left == 0:
                 self.log.append("lr_restore", done.step, lr_scale=1.0)
                 restart = _Restart(done.after.replace(lr_scale=jnp.ones([], jnp.float32)))
-        if restart is None or not restart.replay and not restart.discard:
+        if restart is None or restart.in_place:
             self.ring.append((done.step, done.batch))
             if (done.step + 1) % self.cfg.checkpoint_every == 0:
                 state = done.after if restart is None else restart.state
@@ -821,7 +839,7 @@ class Trainer:
             action=decision.action,
             **extra,
         )
-        return _Restart(state, [(b, True) for _, b in replay])
+        return _Restart(state, [(b, True) for _, b in replay], rolled_back=True)
 
     def _spike(self, done: _Step, spike: Spike) -> _Restart | None:
         """Loss-spike rollback: the checkpoint before the spike, without the data that led in.
@@ -881,7 +899,13 @@ class Trainer:
             deleted_checkpoints=deleted,
             action=f"skip {dropped + discard} batches from step {spike.start}",
         )
-        return _Restart(state, [(b, True) for _, b in replay], discard=discard)
+        return _Restart(
+            state,
+            [(b, True) for _, b in replay],
+            discard=discard,
+            rolled_back=True,
+            refed_skip=(spike.start - ckpt, dropped + discard),
+        )
 
     def _shards(self, report, batch, of_batch: bool = False) -> dict:
         """Which data shard / devices held the culprit's bad rows (its axis 0 = the batch);

@@ -578,6 +578,45 @@ def test_a_spike_skip_left_when_fit_runs_out_of_steps_is_done_by_the_next_fit(tm
     assert [h["step"] for h in second] == list(range(12, 20)) and tr.step == 20
     assert max(h["loss"] for h in second) < 3.0 * spike["baseline"]
 
+    # The same spike, seen as ``fit`` is left by the data source raising: the rollback is done
+    # on the way out, its replay is not run, and the next ``fit``, fed from ``trainer.step``
+    # (10), trains 10 and 11 and skips the spike's 12..15 (they trained before, newuser30).
+    data_ = [(x[i], y[i] * (100.0 if 12 <= i < 16 else 1.0)) for i in range(24)]
+
+    def source():
+        yield from data_[:14]
+        raise OSError("a corrupt shard")
+
+    with Trainer(Net(rngs=nnx.Rngs(0)), optax.sgd(1e-2), loss_fn, cfg, tmp_path / "e") as tr:
+        with pytest.raises(OSError, match="corrupt shard"):
+            tr.fit(source(), steps=20)
+        assert tr.step == 10 and [e["type"] for e in tr.events].count("rollback") == 1
+        again = tr.fit(iter(data_[tr.step :]), steps=10)
+        ev = tr.events
+    assert [h["step"] for h in again] == list(range(10, 16)) and tr.step == 16
+    assert max(h["loss"] for h in again) < 3.0 * spike["baseline"]
+    assert [e["type"] for e in ev].count("spike") == 1
+
+
+def test_a_spike_rollback_on_a_checkpoint_step_saves_no_checkpoint_of_the_old_state(tmp_path):
+    """Spike confirmed at step 14 (a checkpoint is due after it), rolled back to checkpoint 10
+    with nothing to replay or skip: the restored state was saved as checkpoint 15 (a resume
+    then started at "15" from step 10's weights) and the dropped batch went to the ring
+    (newuser30)."""
+    cfg = Config(
+        checkpoint_every=5, min_history=8, recovery_window=8, spike_factor=3.0, spike_steps=5,
+        spike_skip_batches=2,
+    )  # fmt: skip
+    x, y = data(16)
+    batches = [(x[i], y[i] * (100.0 if i >= 10 else 1.0)) for i in range(16)]
+    with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-2), loss_fn, cfg, tmp_path / "r") as tr:
+        tr.fit(batches, steps=16)
+        ev = tr.events
+        (rb,) = [e for e in ev if e["type"] == "rollback"]
+        assert (rb["step"], rb["to_step"], rb["replayed"]) == (14, 10, 0)
+        assert tr.checkpoints.steps() == [0, 5, 10] and tr.step == int(tr.state.step) == 11
+        assert [s for s, _ in tr.ring] == [9, 10]
+
 
 def test_a_spike_past_the_rollback_cap_is_logged_once_and_its_level_accepted(tmp_path):
     """No rollback left: the trainer carries on, and the plateau is the new baseline, not a
