@@ -380,6 +380,15 @@ GUARD_FIELDS = (
 )
 
 
+def config_of(tx, cfg: Config | None) -> Config | None:
+    """``cfg``, or when it is None the Config the guard ``tx`` was made with (None for any
+    other ``tx``): a guard passed without a Config keeps its own, it is not compared with
+    ``Config()``'s defaults."""
+    if cfg is None and isinstance(tx, GuardTransformation):
+        return getattr(tx, "cfg", None)
+    return cfg
+
+
 def check_guard_config(tx, cfg: Config) -> None:
     """Raises when ``tx`` is a guard made with a Config that differs from ``cfg`` in a field
     the guard reads: the guard's would win for those, silently, and the state's ``cfg`` say

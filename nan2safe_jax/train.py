@@ -73,11 +73,16 @@ class TrainState(struct.PyTreeNode):
         not already ``nan2safe.optax.guard(...)`` is wrapped in one: loss scale, geared clipping,
         skip-non-finite and the SAFE learning-rate factor are the point of the library.
 
+        ``cfg`` defaults to the guard's own Config when ``tx`` is a guard, else ``Config()``.
+
         Raises:
-          ValueError: ``model`` is not an ``nnx.Module`` or ``cfg`` is not a ``Config``.
+          ValueError: ``model`` is not an ``nnx.Module``; ``cfg`` is not a ``Config``; ``tx``
+            is a guard made with a Config that differs from ``cfg`` in a field the guard reads
+            (the loss scale, the clip, the SAFE learning-rate factor).
         """
         if not isinstance(model, nnx.Module):
             raise ValueError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
+        cfg = guard_lib.config_of(tx, cfg)
         cfg = Config() if cfg is None else cfg
         if not isinstance(cfg, Config):
             raise ValueError(f"cfg must be a nan2safe.Config, got {type(cfg).__name__}")

@@ -32,6 +32,7 @@ import numpy as np
 
 from nan2safe_jax import compile_cache as compile_cache_lib
 from nan2safe_jax import incidents, programs
+from nan2safe_jax import optax as guard_lib
 from nan2safe_jax import sharding as sharding_lib
 from nan2safe_jax import watchdog as watchdog_lib
 from nan2safe_jax.checkpoint import Checkpointer
@@ -171,7 +172,7 @@ class Trainer:
       model: an ``nnx.Module``; ``nan2safe.nn`` modules are sites with their own gear.
       tx: an optax transformation (wrapped in ``nan2safe.optax.guard`` when it is not one).
       loss_fn: ``loss_fn(model, batch) -> scalar`` (or ``-> (scalar, aux)`` with ``has_aux``).
-      cfg: thresholds (``Config()`` by default).
+      cfg: thresholds (by default the guard's own when ``tx`` is a guard, else ``Config()``).
       workdir: run directory: ``checkpoints/``, ``events.jsonl``, ``metrics.jsonl``,
         ``incidents/``. Created when missing; resumed from when it holds checkpoints.
       lr_schedule: the optimizer's schedule, for the detector's cool-down (optional; see
@@ -233,7 +234,8 @@ class Trainer:
         compile_cache: bool | str | os.PathLike = True,
         hang_timeout_s: float | None | str = "auto",
     ):
-        self.cfg = Config() if cfg is None else cfg
+        self.cfg = guard_lib.config_of(tx, cfg)
+        self.cfg = Config() if self.cfg is None else self.cfg
         if not isinstance(self.cfg, Config):
             raise ValueError(f"cfg must be a nan2safe.Config, got {type(self.cfg).__name__}")
         number = isinstance(hang_timeout_s, (int, float)) and not isinstance(hang_timeout_s, bool)

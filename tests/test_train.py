@@ -541,5 +541,8 @@ def test_a_guard_made_with_another_config_is_refused_naming_the_fields():
     for tx in (optax.sgd(1.0), nan2safe.optax.guard(optax.sgd(1.0), cfg)):
         state = TrainState.create(model, tx, cfg)
         assert float(state.loss_scale) == 4.0
-    # Fields the guard does not read may differ.
+    # Fields the guard does not read may differ; a guard given without a Config keeps its own
+    # (it was compared with Config() and refused, review19).
     TrainState.create(model, nan2safe.optax.guard(optax.sgd(1.0)), Config(min_history=8))
+    state = TrainState.create(model, nan2safe.optax.guard(optax.sgd(1.0), cfg))
+    assert state.cfg == cfg and float(state.loss_scale) == 4.0
