@@ -530,6 +530,12 @@ def test_end_to_end_fp16_transformer_attention_overflow(tmp_path):
     assert all(np.isfinite(h["loss"]) for h in hist[bad_step + 1 :])
 
 
+def _spiky(n: int, spiky) -> list:
+    """``n`` batches of ``data(n)`` with the labels × 100 at the steps ``spiky(i)`` holds."""
+    x, y = data(n)
+    return [(x[i], y[i] * (100.0 if spiky(i) else 1.0)) for i in range(n)]
+
+
 def test_loss_spike_rolls_back_before_the_spike_and_skips_its_data(tmp_path):
     cfg = Config(
         checkpoint_every=5,
@@ -541,8 +547,7 @@ def test_loss_spike_rolls_back_before_the_spike_and_skips_its_data(tmp_path):
         spike_lr_factor=0.5,
         spike_lr_steps=3,
     )
-    x, y = data(24)
-    batches = [(x[i], y[i] * (100.0 if 12 <= i < 16 else 1.0)) for i in range(24)]
+    batches = _spiky(24, lambda i: 12 <= i < 16)
     with Trainer(Net(rngs=nnx.Rngs(0)), optax.sgd(1e-2), loss_fn, cfg, tmp_path / "r") as tr:
         hist = tr.fit(batches, steps=24)
         ev = tr.events
@@ -567,8 +572,7 @@ def test_a_spike_skip_left_when_fit_runs_out_of_steps_is_done_by_the_next_fit(tm
         checkpoint_every=5, min_history=4, window=8, spike_factor=3.0, spike_steps=2,
         spike_skip_batches=4,
     )  # fmt: skip
-    x, y = data(24)
-    batches = iter([(x[i], y[i] * (100.0 if 12 <= i < 16 else 1.0)) for i in range(24)])
+    batches = iter(_spiky(24, lambda i: 12 <= i < 16))
     with Trainer(Net(rngs=nnx.Rngs(0)), optax.sgd(1e-2), loss_fn, cfg, tmp_path / "r") as tr:
         first = tr.fit(batches, steps=14)
         assert [h["step"] for h in first if h.get("replay")] == [10, 11] and tr.step == 12
@@ -581,7 +585,7 @@ def test_a_spike_skip_left_when_fit_runs_out_of_steps_is_done_by_the_next_fit(tm
     # The same spike, seen as ``fit`` is left by the data source raising: the rollback is done
     # on the way out, its replay is not run, and the next ``fit``, fed from ``trainer.step``
     # (10), trains 10 and 11 and skips the spike's 12..15 (they trained before, newuser30).
-    data_ = [(x[i], y[i] * (100.0 if 12 <= i < 16 else 1.0)) for i in range(24)]
+    data_ = _spiky(24, lambda i: 12 <= i < 16)
 
     def source():
         yield from data_[:14]
@@ -607,8 +611,7 @@ def test_a_spike_rollback_on_a_checkpoint_step_saves_no_checkpoint_of_the_old_st
         checkpoint_every=5, min_history=8, recovery_window=8, spike_factor=3.0, spike_steps=5,
         spike_skip_batches=2,
     )  # fmt: skip
-    x, y = data(16)
-    batches = [(x[i], y[i] * (100.0 if i >= 10 else 1.0)) for i in range(16)]
+    batches = _spiky(16, lambda i: i >= 10)
     with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-2), loss_fn, cfg, tmp_path / "r") as tr:
         tr.fit(batches, steps=16)
         ev = tr.events
@@ -625,8 +628,7 @@ def test_a_spike_past_the_rollback_cap_is_logged_once_and_its_level_accepted(tmp
         checkpoint_every=5, min_history=4, window=8, spike_factor=3.0, spike_steps=2,
         spike_max_rollbacks=0,
     )  # fmt: skip
-    x, y = data(30)
-    batches = [(x[i], y[i] * (100.0 if i >= 12 else 1.0)) for i in range(30)]
+    batches = _spiky(30, lambda i: i >= 12)
     with Trainer(Net(rngs=nnx.Rngs(0)), optax.sgd(1e-3), loss_fn, cfg, tmp_path / "r") as tr:
         tr.fit(batches, steps=30)
         ev = tr.events
