@@ -380,13 +380,13 @@ GUARD_FIELDS = (
 )
 
 
-def config_of(tx, cfg: Config | None) -> Config | None:
-    """``cfg``, or when it is None the Config the guard ``tx`` was made with (None for any
-    other ``tx``): a guard passed without a Config keeps its own, it is not compared with
-    ``Config()``'s defaults."""
+def config_of(tx, cfg: Config | None) -> Config:
+    """``cfg``; when it is None, the Config the guard ``tx`` was made with (a guard passed
+    without a Config keeps its own, it is not compared with ``Config()``'s defaults), else
+    ``Config()``."""
     if cfg is None and isinstance(tx, GuardTransformation):
-        return getattr(tx, "cfg", None)
-    return cfg
+        cfg = getattr(tx, "cfg", None)
+    return Config() if cfg is None else cfg
 
 
 def check_guard_config(tx, cfg: Config) -> None:

@@ -83,7 +83,6 @@ class TrainState(struct.PyTreeNode):
         if not isinstance(model, nnx.Module):
             raise ValueError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
         cfg = guard_lib.config_of(tx, cfg)
-        cfg = Config() if cfg is None else cfg
         if not isinstance(cfg, Config):
             raise ValueError(f"cfg must be a nan2safe.Config, got {type(cfg).__name__}")
         sites = name_sites(model)

@@ -80,8 +80,9 @@ class _Restart:
     @property
     def in_place(self) -> bool:
         """The step's own result with something changed (gears, the learning rate): its batch
-        goes to the ring buffer and a checkpoint due at this step saves ``state``."""
-        return not (self.replay or self.discard or self.rolled_back)
+        goes to the ring buffer and a checkpoint due at this step saves ``state`` (only a
+        rollback replays or skips batches)."""
+        return not self.rolled_back
 
 
 @dataclasses.dataclass
@@ -235,7 +236,6 @@ class Trainer:
         hang_timeout_s: float | None | str = "auto",
     ):
         self.cfg = guard_lib.config_of(tx, cfg)
-        self.cfg = Config() if self.cfg is None else self.cfg
         if not isinstance(self.cfg, Config):
             raise ValueError(f"cfg must be a nan2safe.Config, got {type(self.cfg).__name__}")
         number = isinstance(hang_timeout_s, (int, float)) and not isinstance(hang_timeout_s, bool)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -46,10 +47,8 @@ def last_axis_rows(x: jax.Array, axis: int, op: str) -> tuple[jax.Array, tuple[i
         raise ValueError(f"{op}: needs an array of rank >= 1, got a scalar")
     (ax,) = normalize_axes(axis, x.ndim, op)
     xm = jnp.moveaxis(x, ax, -1) if ax != x.ndim - 1 else x
-    rows = 1
-    for d in xm.shape[:-1]:  # not -1: a reshape cannot infer it when the axis is empty
-        rows *= d
-    return xm.reshape(rows, x.shape[ax]), xm.shape, ax
+    # not -1: a reshape cannot infer it when the axis is empty
+    return xm.reshape(math.prod(xm.shape[:-1]), x.shape[ax]), xm.shape, ax
 
 
 def from_rows(y2d: jax.Array, moved_shape: tuple[int, ...], ax: int) -> jax.Array:
