@@ -178,6 +178,16 @@ class CheckpointMismatchError(ValueError):
     skipping would start the run again and its saves would replace the old run's checkpoints."""
 
 
+class CheckpointSaveError(OSError):
+    """A checkpoint could not be written (a full disk, a lost mount): an ``OSError``, whatever
+    orbax's background writer raised (its ``ValueError: RESOURCE_EXHAUSTED ...`` for a full
+    disk). The checkpoints written before it are intact; ``step`` is the one that failed."""
+
+    def __init__(self, message: str, step: int | None):
+        super().__init__(message)
+        self.step = step
+
+
 def leaf_paths(state) -> list[str]:
     """The path of each array a checkpoint of ``state`` holds, in saved order.
 
@@ -270,6 +280,15 @@ def _abstract(template) -> dict:
     return {k: spec(v) for k, v in _to_saveable(template).items()}
 
 
+class SkippedCheckpoint(UserWarning):
+    """Warned by ``Checkpointer.restore_latest`` for each checkpoint it skips (incomplete,
+    corrupt or not finite); ``step`` is the checkpoint's, so a log of it can say where."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = int(step)
+
+
 class Checkpointer:
     """Saves finite ``TrainState``s and restores the newest complete, finite one.
 
@@ -293,6 +312,7 @@ class Checkpointer:
         )
         self._probes = self.directory.parent / f"{self.directory.name}_probes"
         self._paths = self.directory.parent / f"{self.directory.name}_paths"
+        self._writing: int | None = None  # the step of the save in flight (for its error)
 
     def steps(self) -> list[int]:
         """Steps of the checkpoints orbax considers complete, oldest first."""
@@ -328,9 +348,9 @@ class Checkpointer:
         if not ok:
             log.warning("step %d: state is not finite; checkpoint refused", step)
             return False
+        self.wait()  # orbax would, in ``save``: a failure of the last save is named as its own
         if int(step) in self._manager.all_steps():
             # A step saved on a timeline a rollback abandoned: the new state replaces it.
-            self.wait()
             self._manager.delete(int(step))
         names = _probe_names(state)
         if names is not None:
@@ -338,7 +358,13 @@ class Checkpointer:
             (self._probes / f"{int(step)}.json").write_text(json.dumps(list(names)))
         self._paths.mkdir(parents=True, exist_ok=True)
         (self._paths / f"{int(step)}.json").write_text(json.dumps(leaf_paths(state)))
-        self._manager.save(int(step), args=ocp.args.StandardSave(_to_saveable(state)), force=True)
+        self._writing = int(step)
+        try:
+            self._manager.save(
+                int(step), args=ocp.args.StandardSave(_to_saveable(state)), force=True
+            )
+        except Exception as err:
+            raise self._save_error(err) from err
         self._prune_side_files()
         return True
 
@@ -419,14 +445,15 @@ class Checkpointer:
             except CheckpointMismatchError:
                 raise
             except Exception as err:  # orbax raises many types for a damaged directory
-                warnings.warn(
+                said = (
                     f"checkpoint {self.directory / str(step)} is incomplete or corrupt "
-                    f"({type(err).__name__}: {str(err)[:120]}); skipped",
-                    stacklevel=2,
+                    f"({type(err).__name__}: {str(err)[:120]}); skipped"
                 )
+                warnings.warn(SkippedCheckpoint(said, step), stacklevel=2)
                 continue
             if not state_is_finite(state):
-                warnings.warn(f"checkpoint at step {step} is not finite; skipped", stacklevel=2)
+                said = f"checkpoint at step {step} is not finite; skipped"
+                warnings.warn(SkippedCheckpoint(said, step), stacklevel=2)
                 continue
             return state, step
         return None
@@ -449,9 +476,28 @@ class Checkpointer:
         return self.directory / str(int(step))
 
     def wait(self) -> None:
-        """Blocks until background saves are written."""
-        self._manager.wait_until_finished()
+        """Blocks until background saves are written.
+
+        Raises:
+          CheckpointSaveError: the save in the background failed.
+        """
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:
+            raise self._save_error(err) from err
+        self._writing = None
+
+    def _save_error(self, err: Exception) -> CheckpointSaveError:
+        step, self._writing = self._writing, None
+        what = "a checkpoint" if step is None else f"checkpoint {step}"
+        return CheckpointSaveError(
+            f"{what} in {str(self.directory)!r} could not be written "
+            f"({type(err).__name__}: {str(err)[:300]}); the checkpoints before it are intact",
+            step,
+        )
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()

@@ -6,6 +6,7 @@ import argparse
 import json
 import runpy
 import sys
+import warnings
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[1]
@@ -29,12 +30,13 @@ def _locate(args) -> int:
     from nan2safe_jax.checkpoint import CheckpointMismatchError
     from nan2safe_jax.train import TrainState, make_train_step
     from nan2safe_jax.trainer import load_factory, load_incident
+    from nan2safe_jax.workdir import read_run_record
 
     workdir = Path(args.workdir)
     if not workdir.is_dir():
         print(f"run directory {str(workdir)!r} does not exist", file=sys.stderr)
         return 2
-    run = json.loads((workdir / "run.json").read_text()) if (workdir / "run.json").exists() else {}
+    run = read_run_record(workdir)
     spec = args.factory or run.get("factory")
     if not spec:
         print(
@@ -71,8 +73,27 @@ def _locate(args) -> int:
             print(why, file=sys.stderr)
         return 2
     # The step as the run built it: a loss with aux outputs (``Trainer(has_aux=True)``).
-    step = make_train_step(loss_fn, has_aux=bool(run.get("has_aux", False)))
-    report = replay.locate_step(step, state, batch)  # the program the run replayed
+    recorded = run.get("has_aux")
+    # Without a record (none, or damaged) the loss's own output says: a pair is (loss, aux).
+    for has_aux in [bool(recorded)] if recorded is not None else [False, True]:
+        step = make_train_step(loss_fn, has_aux=has_aux)
+        try:
+            report = replay.locate_step(step, state, batch)  # the program the run replayed
+            break
+        except ValueError as err:
+            if "has_aux" not in str(err):
+                raise
+            if recorded is None and not has_aux:
+                continue
+            said = (
+                "the factory's loss_fn returns neither the loss nor (loss, aux)"
+                if recorded is None
+                else f"the run recorded has_aux={has_aux} in {workdir / 'run.json'}: the "
+                f"factory's loss_fn must return {'(loss, aux)' if has_aux else 'the loss alone'}"
+                ", as the run's did"
+            )
+            print(f"{said} ({err})", file=sys.stderr)
+            return 2
     print(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_dict(), indent=1, default=str))
@@ -122,6 +143,13 @@ def _why_not_saved(workdir: Path, step: int) -> str | None:
 
 
 def _report(args) -> int:
+    # The summary, the dashboard and TensorBoard each read the logs: a torn line is said once.
+    with warnings.catch_warnings():
+        warnings.simplefilter("once")
+        return _report_once(args)
+
+
+def _report_once(args) -> int:
     from nan2safe_jax import runlog as report
 
     wd = _run_dir(args.workdir)
@@ -187,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(fn=_demo)
 
     loc = sub.add_parser("locate", help="re-run localization offline for a saved incident")
-    loc.add_argument("workdir")
+    loc.add_argument("workdir", help="the Trainer's workdir (its run.json names the factory)")
     loc.add_argument("--step", type=int, required=True)
     loc.add_argument("--factory", help="package.module:function -> (model, tx, loss_fn, cfg)")
     loc.add_argument("--json", help="also write the report as JSON here")
@@ -196,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser(
         "report", help="print a run's summary and write its dashboard (WORKDIR/dashboard.png)"
     )
-    rep.add_argument("workdir")
+    rep.add_argument("workdir", help="the Trainer's workdir, or its events.jsonl")
     rep.add_argument(
         "--out", help="write the dashboard here instead (and NAME_tensorboard/ beside it)"
     )

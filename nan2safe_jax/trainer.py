@@ -35,7 +35,8 @@ from nan2safe_jax import incidents, programs
 from nan2safe_jax import optax as guard_lib
 from nan2safe_jax import sharding as sharding_lib
 from nan2safe_jax import watchdog as watchdog_lib
-from nan2safe_jax.checkpoint import Checkpointer
+from nan2safe_jax import workdir as workdir_lib
+from nan2safe_jax.checkpoint import Checkpointer, CheckpointSaveError, SkippedCheckpoint
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear
 from nan2safe_jax.numerics import _is_key
@@ -144,12 +145,11 @@ def _owned(x):
     return np.array(x, copy=True) if isinstance(x, np.ndarray) else x
 
 
-def _config_changes(record: Path, config: dict) -> dict:
+def _config_changes(recorded: dict, config: dict) -> dict:
     """``{field: [old, new]}`` for each config field that differs from the run record
-    ``record`` (empty when there is no readable record)."""
-    try:
-        old = json.loads(record.read_text()).get("config", {})
-    except (OSError, ValueError, AttributeError):
+    ``recorded`` (empty when the record holds no config)."""
+    old = recorded.get("config")
+    if not isinstance(old, dict):
         return {}
     new = json.loads(json.dumps(config))  # the record's own types (tuples as lists)
     return {k: [old.get(k), v] for k, v in new.items() if old.get(k) != v}
@@ -277,7 +277,10 @@ class Trainer:
         """The rest of ``__init__``: checkpoints, event log, resume, then the workdir's hold."""
         holder = self._lock.holder
         if holder is not None and not holder.closed:
-            holder.checkpoints.wait()  # its last saves, before this one reads the checkpoints
+            try:  # its last saves, before this one reads the checkpoints
+                holder.checkpoints.wait()
+            except CheckpointSaveError:
+                pass  # that save never finished: the resume below says so
         self.checkpoints = Checkpointer(self.workdir / "checkpoints")
         self.log = EventLog(sharding_lib.log_dir(self.workdir))  # one log per process
         # (step, batch) of the latest finished steps: what a rollback replays.
@@ -297,19 +300,19 @@ class Trainer:
         self.step = 0
         self._last_sites: dict[str, Any] = {}
         self._last_level: int | None = None
-        record = self.workdir / "run.json"
-        if factory is None and resume and record.exists():
+        recorded = workdir_lib.read_run_record(self.workdir) if resume else {}
+        if factory is None:
             # Opening a run to read it back must not lose what `nan2safe locate` rebuilds from
             # (a new run, ``resume=False``, records its own).
-            factory = json.loads(record.read_text()).get("factory")
+            factory = recorded.get("factory")
         run = {"factory": factory, "config": dataclasses.asdict(self.cfg), "has_aux": has_aux}
         if resume:
-            self._resume(run)
+            self._resume(run, recorded)
         else:
             self._refuse_another_runs_checkpoints()
         self._lock.take_over(self)
         # Written once the run is known to go on here: a refused resume keeps the old record.
-        record.write_text(json.dumps(run, indent=1))
+        workdir_lib.write_run_record(self.workdir, run)
 
     def _refuse_another_runs_checkpoints(self) -> None:
         """``resume=False`` on a workdir that holds checkpoints: refused. The new run's saves
@@ -341,19 +344,27 @@ class Trainer:
         wait = getattr(getattr(self, "step_fn", None), "wait_compiled", None)
         if wait is not None:
             wait()
+        failed = None
         log_ = getattr(self, "log", None)  # a trainer whose ``__init__`` failed part-way
-        if log_ is not None and not log_.closed:
-            log_.close()
         ckpt = getattr(self, "checkpoints", None)
         if ckpt is not None and not getattr(self, "_ckpt_closed", False):
             self._ckpt_closed = True
-            ckpt.close()
+            try:
+                ckpt.close()
+            except CheckpointSaveError as err:  # raised once the workdir is let go
+                failed = err
+                if log_ is not None and not log_.closed:
+                    self._log_save_error(err)
+        if log_ is not None and not log_.closed:
+            log_.close()
         lock = getattr(self, "_lock", None)
         if lock is not None:
             lock.release()
         dog = getattr(self, "_watchdog", None)
         if dog is not None:
             dog.stop()
+        if failed is not None:
+            raise failed
 
     def _on_hang(self, waited_s: float) -> None:
         """The watchdog's verdict: no step finished in ``hang_timeout_s``. Logged, then the
@@ -387,6 +398,30 @@ class Trainer:
         if self._watchdog is not None:
             self._watchdog.beat()
 
+    def save(self) -> bool:
+        """Checkpoints the current state now, and waits until it is written.
+
+        ``fit`` saves every ``checkpoint_every`` steps only, and ``close`` saves nothing: a run
+        that ends between two checkpoints resumes from the older one unless this is called
+        first. As every checkpoint, a state that is not finite is refused (an ``error`` event).
+        In a run of several processes, every process calls it.
+
+        Returns:
+          Whether checkpoint ``self.step`` holds the current state (True at once when it
+          already exists: a checkpoint of this run at this step holds this state).
+
+        Raises:
+          ValueError: the trainer is closed.
+          CheckpointSaveError: the checkpoint could not be written (a full disk; logged).
+        """
+        if self.closed:
+            raise ValueError(f"this Trainer of {str(self.workdir)!r} is closed: nothing to save")
+        if self.step in self.checkpoints.steps():
+            return True
+        saved = self._checkpoint(self.step, self.state)
+        self._join_saves(raise_error=True)
+        return saved
+
     @property
     def closed(self) -> bool:
         log_ = getattr(self, "log", None)
@@ -398,12 +433,17 @@ class Trainer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _resume(self, run: dict) -> None:
+    def _resume(self, run: dict, recorded: dict) -> None:
         """Restores the newest good checkpoint of the workdir, if any, and logs ``resume``.
+
+        The ``resume`` event comes first, then an ``error`` for each checkpoint skipped or
+        save that never finished, at that checkpoint's step: a summary reads the events before
+        a ``resume`` at its step or later as work the resume lost (``runlog.summary``).
 
         Args:
           run: this trainer's ``run.json`` record; config fields that differ from the record
             the workdir holds are listed in the event (``config_changed``) and warned about.
+          recorded: the record the workdir holds (``{}`` when none could be read).
 
         Raises:
           CheckpointMismatchError: the checkpoints were written for a different model.
@@ -411,37 +451,38 @@ class Trainer:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             found = self.checkpoints.restore_latest(self.state)
-        for w in caught:
-            self.log.append("error", self.step, detail=str(w.message))
-            warnings.warn(str(w.message), stacklevel=3)
+        errors = [(_skipped_step(w.message, 0), str(w.message)) for w in caught]
         lost = [s for s in self.checkpoints.unfinished() if found is None or s > found[1]]
         if lost:
             at = "step 0" if found is None else f"checkpoint {found[1]}"
-            detail = (
-                f"{len(lost)} checkpoint save(s) never finished (steps {lost}: the run, or one "
-                f"of its processes, ended while they were written); resuming from {at}"
+            errors.append(
+                (
+                    0 if found is None else int(found[1]),
+                    f"{len(lost)} checkpoint save(s) never finished (steps {lost}: the run, or "
+                    f"one of its processes, ended while they were written); resuming from {at}",
+                )
             )
-            self.log.append("error", self.step if found is None else int(found[1]), detail=detail)
+        if found is not None:
+            self.state, step = found
+            self.step = int(step)
+            changed = _config_changes(recorded, run["config"])
+            if changed:
+                warnings.warn(
+                    f"resuming {str(self.workdir)!r} with a changed config: "
+                    + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()),
+                    stacklevel=3,
+                )
+            self.log.append(
+                "resume",
+                self.step,
+                from_step=self.step,
+                path=str(self.checkpoints.path(step)),
+                gear=int(self.state.gear.level),
+                **({"config_changed": changed} if changed else {}),
+            )
+        for at_step, detail in errors:
+            self.log.append("error", at_step, detail=detail)
             warnings.warn(detail, stacklevel=3)
-        if found is None:
-            return
-        self.state, step = found
-        self.step = int(step)
-        changed = _config_changes(self.workdir / "run.json", run["config"])
-        if changed:
-            warnings.warn(
-                f"resuming {str(self.workdir)!r} with a changed config: "
-                + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()),
-                stacklevel=3,
-            )
-        self.log.append(
-            "resume",
-            self.step,
-            from_step=self.step,
-            path=str(self.checkpoints.path(step)),
-            gear=int(self.state.gear.level),
-            **({"config_changed": changed} if changed else {}),
-        )
 
     @property
     def events(self) -> list[dict]:
@@ -484,6 +525,7 @@ class Trainer:
         drawn = 0
         inflight: _Step | None = None
         finishing = False
+        left_cleanly = False
         if self.hang_timeout_s is not None:
             self._watchdog = watchdog_lib.Watchdog(self.hang_timeout_s, self._on_hang)
             self._watchdog.arm()
@@ -528,6 +570,7 @@ class Trainer:
                         continue
                 if running is None:
                     break
+            left_cleanly = True
         except NanIncidentError as err:
             err.history = history
             raise
@@ -549,8 +592,26 @@ class Trainer:
                 self._watchdog = None
             if bar:
                 bar.close()
-            self.checkpoints.wait()
+            self._join_saves(raise_error=left_cleanly)
         return history
+
+    def _join_saves(self, raise_error: bool) -> None:
+        """Waits for the checkpoint saves in the background; a failed one (a full disk) is
+        logged as an ``error`` at its step and raised as ``CheckpointSaveError`` (an
+        ``OSError``), unless ``fit`` is already left by another exception, which it would
+        hide."""
+        try:
+            self.checkpoints.wait()
+        except CheckpointSaveError as err:
+            self._log_save_error(err)
+            if raise_error:
+                raise
+
+    def _log_save_error(self, err: CheckpointSaveError) -> None:
+        try:  # the log may sit on the full disk too
+            self.log.append("error", self.step if err.step is None else err.step, detail=str(err))
+        except OSError:
+            log.warning("%s", err)
 
     def _finish_before_raising(self, done: _Step, history: list, bar, err: BaseException):
         """Finishes the step in flight when ``fit`` is left by an exception (the data source
@@ -643,8 +704,18 @@ class Trainer:
         return restart
 
     def _checkpoint(self, step: int, state) -> bool:
-        """Saves ``state`` as checkpoint ``step``; False (logged) when it is not finite."""
-        if self.checkpoints.save(step, state):
+        """Saves ``state`` as checkpoint ``step``; False (logged) when it is not finite.
+
+        Raises:
+          CheckpointSaveError: this save, or the one before it in the background, failed
+            (logged).
+        """
+        try:
+            saved = self.checkpoints.save(step, state)
+        except CheckpointSaveError as err:
+            self._log_save_error(err)
+            raise
+        if saved:
             self.log.append("checkpoint", step, path=str(self.checkpoints.path(step)))
             return True
         self.log.append("error", step, detail="state not finite: no checkpoint")
@@ -807,7 +878,7 @@ class Trainer:
             warnings.simplefilter("always")
             found = self.checkpoints.restore_latest(self.state, before=done.step)
         for w in caught:
-            self.log.append("error", done.step, detail=str(w.message))
+            self.log.append("error", _skipped_step(w.message, done.step), detail=str(w.message))
         if found is None:
             self.log.append("error", done.step, detail="no finite checkpoint to roll back to")
             return None
@@ -963,6 +1034,12 @@ def _host_leaf(x):
 def _device_leaf(x):
     """``_host_leaf`` undone for a key; other leaves as saved."""
     return jax.random.wrap_key_data(x.data, impl=x.impl) if _is_saved_key(x) else x
+
+
+def _skipped_step(message, default: int) -> int:
+    """The step of the checkpoint a caught warning skipped (``SkippedCheckpoint``), else
+    ``default``."""
+    return message.step if isinstance(message, SkippedCheckpoint) else default
 
 
 def _downshift_cause(m: dict) -> str:

@@ -20,6 +20,7 @@ filesystem without ``flock`` (some network mounts) the workdir is not held.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import uuid
 import warnings
@@ -57,6 +58,56 @@ def check_workdir(workdir) -> Path:
     except OSError as err:
         raise ValueError(f"workdir {str(path)!r} is not writable: {err}") from None
     return path
+
+
+RUN_RECORD = "run.json"
+
+
+def write_run_record(workdir: Path, run: dict) -> None:
+    """Writes the run record ``workdir/run.json`` whole or not at all.
+
+    The record is written at every start (a resume too). Written in place, a process killed or
+    out of disk while writing it left a truncated file, and the run could no longer be resumed
+    nor ``nan2safe locate``-d. A temporary file of this process, renamed over the record
+    (``os.replace``, atomic on one filesystem), leaves the old record or the new one.
+
+    Args:
+      workdir: the run's folder.
+      run: the record (factory, config, has_aux), JSON-serializable.
+    """
+    path = Path(workdir) / RUN_RECORD
+    tmp = path.with_name(f".{RUN_RECORD}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.write_text(json.dumps(run, indent=1))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_run_record(workdir) -> dict:
+    """The run record ``workdir/run.json``: ``{}`` when there is none, and ``{}`` with a
+    ``RuntimeWarning`` naming the file when it cannot be read (damaged by a writer of an older
+    version, or by hand): the run's checkpoints do not depend on it, only the recorded
+    factory, config and ``has_aux`` are then unknown."""
+    path = Path(workdir) / RUN_RECORD
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except OSError as err:
+        warnings.warn(f"cannot read the run record {str(path)!r}: {err}", RuntimeWarning, 2)
+        return {}
+    try:
+        run = json.loads(text)
+    except ValueError as err:
+        warnings.warn(
+            f"the run record {str(path)!r} is damaged ({err}); its factory, config and has_aux "
+            "are unknown (a Trainer rewrites it)",
+            RuntimeWarning,
+            2,
+        )
+        return {}
+    return run if isinstance(run, dict) else {}
 
 
 def check_shared(workdir: Path) -> None:

@@ -57,6 +57,8 @@ def _synthetic(workdir: Path, steps: int = 120) -> dict:
                     "site_gears": {"blocks.1.attn": [1, 2 if safe else 1], "mlp": gear},
                 }
             )
+        # a run resumed (as each is, before what it logs) from the checkpoint of an earlier one
+        log.append("resume", 0, from_step=0, path="ckpt/0")
         log.append("downshift", 30, **{"from": 0, "to": 1, "risk": 1.0, "probes": ["attn_logits"]})
         log.append("skip", 40, reason="incident")
         log.append("skip", 41, reason="incident")
@@ -67,7 +69,6 @@ def _synthetic(workdir: Path, steps: int = 120) -> dict:
         log.append("recover", 100, to=0)
         for c in range(0, steps, 25):
             log.append("checkpoint", c, path=f"ckpt/{c}")
-        log.append("resume", 42, from_step=25, path="ckpt/25")
         log.append("transient", 80, detail="replay finite")
         log.append("polluted_input", 90, report={"diagnosis": "polluted input", "kind": "nan"})
         log.append("error", 95, detail="orbax timeout")
@@ -215,6 +216,42 @@ def test_summary_dedupes_rerun_steps_and_counts_what_the_first_run_skipped(tmp_p
     console = Console(record=True, width=140)
     R.print_summary(tmp_path / "resumed", console=console)
     assert "1 re-run after a resume)" in console.export_text()
+
+
+def test_the_work_a_resume_ran_again_is_counted_once(tmp_path):
+    """A run killed while checkpoint 9 was written resumes from checkpoint 6 and meets step 7's
+    fault again: the report said 2 incidents, 2 downshifts, 2 SAFE entries (one fault), and
+    counted the save that never finished."""
+    with R.EventLog(tmp_path) as log:
+        for s_ in range(9):
+            log.log_metrics({"step": s_, "loss": 1.0, "time": 10.0 + s_})
+        log.append("checkpoint", 6)
+
+        def fault():
+            log.append("downshift", 7, cause="nonfinite")
+            log.append("locate", 7, report={"site": "act", "primitive": "log"}, action="SAFE")
+            log.append("safe_enter", 7, site="act", steps=8)
+            log.append("checkpoint", 9)
+
+        fault()  # the killed process: its checkpoint 9 never finished
+        log.append("resume", 6, from_step=6)
+        log.append("error", 9, detail="1 checkpoint save(s) never finished (steps [9])")
+        for s_ in range(6, 10):
+            log.log_metrics({"step": s_, "loss": 1.0, "time": 30.0 + s_})
+        fault()
+    s = R.summary(tmp_path)
+    assert (s["incidents_located"], s["downshifts"], s["safe_entries"]) == (1, 1, 1)
+    assert [i["step"] for i in s["incidents"]] == [7]
+    assert (s["checkpoints"], s["resumes"], s["errors"]) == (2, 1, 1)
+    assert s["lost_to_resume"] == {"checkpoint": 1, "downshift": 1, "locate": 1, "safe_enter": 1}
+    from rich.console import Console
+
+    console = Console(record=True, width=140)
+    R.print_summary(tmp_path, console=console)
+    text = console.export_text()
+    assert "events of work a resume re-ran" in text
+    assert "checkpoint 1, downshift 1, locate 1, safe_enter 1" in text
+    assert text.count("act") == 2  # the SAFE entries' site, and one incident row
 
 
 def test_print_summary_renders_table(run_dir):

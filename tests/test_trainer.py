@@ -103,6 +103,88 @@ def test_one_trainer_per_workdir_and_a_changed_model_never_overwrites_the_run(tm
     assert json.loads((run / "run.json").read_text())["config"]["recovery_window"] == 9
 
 
+def test_save_keeps_a_runs_last_steps_and_a_resume_goes_past_a_damaged_record(tmp_path):
+    """``fit`` checkpoints every ``checkpoint_every`` steps and ``close`` saves nothing, so a
+    run that ends at 12 resumed at 10 unless ``save`` is called. A run record cut short (a kill
+    while it was written) and a corrupt newest checkpoint each cost no more than themselves:
+    the run resumes from the checkpoint before, and the skipped one is logged at its own step
+    (it was logged at step 0, the step before the resume)."""
+    run = tmp_path / "run"
+
+    def trainer():
+        return Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, run, factory="m:f")
+
+    with trainer() as tr:
+        tr.fit(_batches(12), steps=12)
+        assert tr.checkpoints.steps() == [0, 5, 10]
+        assert tr.save() and tr.save()  # the second finds checkpoint 12 there
+        assert tr.checkpoints.steps() == [5, 10, 12]
+        trained = tr.state
+    with trainer() as tr:
+        assert tr.step == 12
+        np.testing.assert_array_equal(
+            tr.state.params["head"]["kernel"], trained.params["head"]["kernel"]
+        )
+    record = run / "run.json"
+    record.write_text(record.read_text()[:40])
+    for root, _, files in os.walk(run / "checkpoints" / "12"):
+        for f in files:
+            open(os.path.join(root, f), "w").close()
+    with pytest.warns(Warning) as said:
+        tr = trainer()
+    said = [str(w.message) for w in said]
+    assert any("run.json' is damaged" in w for w in said), said
+    assert any("checkpoints/12 is incomplete or corrupt" in w for w in said), said
+    assert tr.step == 10
+    tr.close()
+    ev = read_events(run)
+    last = max(i for i, e in enumerate(ev) if e["type"] == "resume")
+    assert (ev[last]["step"], ev[last + 1]["type"], ev[last + 1]["step"]) == (10, "error", 12)
+    assert json.loads(record.read_text())["config"]["checkpoint_every"] == 5  # written whole
+    assert [p.name for p in run.iterdir() if p.name.startswith(".run.json")] == []
+
+
+def test_a_checkpoint_that_cannot_be_written_is_an_oserror_that_hides_no_other(
+    tmp_path, monkeypatch
+):
+    """A full disk failed orbax's background save with ``ValueError: RESOURCE_EXHAUSTED``
+    raised from ``fit``'s last wait, over the error that was leaving ``fit`` (the loader's),
+    and the log said checkpoint 5 was saved. Now it is a ``CheckpointSaveError`` (an
+    ``OSError``) naming the step, logged, and raised only when nothing else is."""
+    tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
+    tr.fit(_batches(3), steps=3)
+    manager = tr.checkpoints._manager
+    real = manager.wait_until_finished
+    disk = {"full": True}
+
+    def full_disk():
+        real()
+        if disk["full"] and tr.checkpoints._writing is not None:
+            raise ValueError("RESOURCE_EXHAUSTED: Failed writing: No space left on device")
+
+    monkeypatch.setattr(manager, "wait_until_finished", full_disk)
+    with pytest.raises(OSError, match=r"checkpoint 5 .* could not be written .*No space") as err:
+        tr.fit(_batches(5, seed=1), steps=5)
+    assert err.value.step == 5
+    disk["full"] = False
+
+    def loader():
+        yield from _batches(11 - tr.step, seed=2)  # to step 10: checkpoint 10 is being written
+        disk["full"] = True
+        raise RuntimeError("the loader died")
+
+    with pytest.raises(RuntimeError, match="the loader died"):
+        tr.fit(loader(), steps=10)
+    disk["full"] = False
+    tr.close()
+    failed = [
+        e["step"]
+        for e in read_events(tmp_path / "run")
+        if e.get("detail", "").startswith("checkpoint")
+    ]
+    assert failed == [5, 10]
+
+
 def test_clean_run_checkpoints_and_logs(tmp_path, capsys):
     """Also: the progress shown where stdout is no terminal (a batch job's log) is a line per
     tenth of the run (rich drew once, at the end), and ``steps`` may be a NumPy integer."""
@@ -177,6 +259,18 @@ def test_fault_is_located_put_in_safe_and_recovers(tmp_path, capsys):
     bad = ["locate", str(tmp_path / "run"), "--step", "8", "--factory", "no_such_mod:f"]
     assert cli.main(bad) == 2
     assert "cannot load the factory 'no_such_mod:f'" in capsys.readouterr().err
+
+    # A factory whose loss_fn does not match the recorded has_aux: said, not a traceback.
+    mismatch = ["locate", str(tmp_path / "run"), "--step", "8", "--factory"]
+    assert cli.main([*mismatch, "tiny_models:make_fragile"]) == 2
+    assert "recorded has_aux=True" in capsys.readouterr().err
+    # A run record cut short (a writer killed): said; a --factory still locates, has_aux then
+    # read from what the loss returns.
+    record = tmp_path / "run" / "run.json"
+    record.write_text(record.read_text()[:40])
+    with pytest.warns(RuntimeWarning, match=r"run record .*run\.json.* is damaged"):
+        assert cli.main([*mismatch, factory, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["primitive"] == rep["primitive"]
 
     # `nan2safe report WORKDIR`: the dashboard of this run.
     assert cli.main(["report", str(tmp_path / "run")]) == 0

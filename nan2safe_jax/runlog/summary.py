@@ -24,7 +24,8 @@ class _Run:
     workdir: Path
     raw: list[dict[str, Any]]  # metrics.jsonl in file order, including re-runs of a step
     records: list[dict[str, Any]]  # deduplicated (last record of a step wins), sorted by step
-    events: list[dict[str, Any]]
+    events: list[dict[str, Any]]  # without ``lost``
+    lost: list[dict[str, Any]]  # events of work a resume lost (``split_lost``)
     step: np.ndarray  # i64[n]
     loss: np.ndarray  # f64[n]
     risk: np.ndarray  # f64[n]
@@ -48,8 +49,38 @@ def _load(workdir: str | os.PathLike) -> _Run:
     risk = np.fromiter((_as_float(r.get("risk", 0.0)) for r in records), np.float64, n)
     gear = np.fromiter((_as_int(r.get("gear", 0)) for r in records), np.int64, n)
     skipped = np.fromiter((bool(r.get("skipped", False)) for r in records), bool, n)
-    events = [e for e in read_events(wd) if isinstance(e.get("step"), (int, float))]
-    return _Run(wd, raw, records, events, step, loss, risk, gear, skipped)
+    events, lost = split_lost(
+        [e for e in read_events(wd) if isinstance(e.get("step"), (int, float))]
+    )
+    return _Run(wd, raw, records, events, lost, step, loss, risk, gear, skipped)
+
+
+def split_lost(events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Splits ``events`` (file order) into those that stand and those of work a resume lost.
+
+    A run killed after checkpoint ``R`` resumes from it and runs steps ``R, R+1, ...`` again:
+    what the killed process logged for those steps (an incident, its downshift, a checkpoint
+    whose save may never have finished) is logged again by the run that resumed. Counted
+    twice, one fault read as two. An event logged before a ``resume`` at step ``R``, at step
+    ``R`` or later (a checkpoint: after ``R``, since checkpoint ``R`` is the one resumed from),
+    is lost work.
+
+    Returns:
+      ``(standing, lost)``, each in file order.
+    """
+    lost_ids: set[int] = set()
+    for i, e in enumerate(events):
+        if e.get("type") != "resume":
+            continue
+        r = e["step"]
+        for before in events[:i]:
+            kind = before.get("type")
+            if kind == "resume":  # each start stands, one after another at one step too
+                continue
+            if before["step"] > r or (before["step"] == r and kind != "checkpoint"):
+                lost_ids.add(id(before))
+    standing = [e for e in events if id(e) not in lost_ids]
+    return standing, [e for e in events if id(e) in lost_ids]
 
 
 def _report_of(event: Mapping[str, Any]) -> dict[str, Any]:
@@ -103,7 +134,8 @@ def summary(workdir: str | os.PathLike) -> dict[str, Any]:
       reproducible, label), ``incidents_located``, ``safe_entries``, ``safe_sites``, ``safe_exits``,
       ``recoveries``, ``checkpoints``, ``resumes``, ``rollbacks``, ``transients``,
       ``polluted_inputs``, ``errors``, ``final_gear``, ``seconds_per_step`` (median) and
-      ``wall_seconds``.
+      ``wall_seconds``. Events of steps a resume ran again are not counted: ``lost_to_resume``
+      counts them by type (``split_lost``).
     """
     return _summarize(_load(workdir))
 
@@ -183,6 +215,7 @@ def _summarize(run: _Run) -> dict[str, Any]:
         "transients": count("transient"),
         "polluted_inputs": count("polluted_input"),
         "errors": count("error"),
+        "lost_to_resume": dict(Counter(str(e.get("type")) for e in run.lost)),
         "final_gear": int(run.gear[-1]) if len(run.gear) else None,
         "seconds_per_step": _median_step_seconds(raw),
         "wall_seconds": (max(times) - min(times)) if len(times) > 1 else None,
@@ -256,6 +289,8 @@ def print_summary(workdir: str | os.PathLike, console=None) -> dict[str, Any]:
     for key, label in extra:
         if s[key]:
             t.add_row(label, str(s[key]))
+    if s["lost_to_resume"]:
+        t.add_row("events of work a resume re-ran", _counted(s["lost_to_resume"]))
     if s["final_gear"] is not None:
         g = s["final_gear"]
         t.add_row("final gear", GEAR_NAMES[g] if 0 <= g < len(GEAR_NAMES) else str(g))
