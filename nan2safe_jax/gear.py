@@ -264,7 +264,9 @@ def set_site(
     """Sets one site's gear (all of a stacked site, or layer ``index`` of it).
 
     Entering SAFE counts an entry for back-off and starts a stay of
-    ``safe_max_steps * 2**previous_entries`` steps (capped by ``safe_backoff_max``).
+    ``safe_max_steps * 2**previous_entries`` steps (capped by ``safe_backoff_max``), both read
+    from ``cfg``: pass the run's (``state.cfg``); without it ``Config()``'s apply, as the
+    ``GearState`` does not hold one.
 
     Raises:
       ValueError: unknown site name, bad gear, or an index into a scalar site.

@@ -218,6 +218,45 @@ def test_scan_over_layers_names_iteration(k):
     assert ("iter", k) in r2.eqn_path
 
 
+def _geared_stack(x, gears, qks, boosts):
+    """A scanned stack of fp16 attention sites (flax's explicit path: fp16 logits), each layer
+    with its own gear (a slice of the stacked gear, so the replay learns each switch's branch
+    only at run time), a knob that grows layer ``i``'s logits and one that scales its output."""
+
+    def layer(c, xs):
+        gear, qk, boost = xs
+        q = c * qk
+        out, stats = ops.attention(q, q, c, gear=gear, return_stats=True, explicit=True)
+        return c + out * boost, stats  # FAULT:stack_boost
+
+    y, stats = lax.scan(layer, x, (gears, qks, boosts))
+    return jnp.sum(y.astype(jnp.float32)), stats
+
+
+@pytest.mark.parametrize("gear", [Gear.FAST, Gear.STABLE], ids=["fast", "stable"])
+def test_a_dropped_fast_overflow_in_a_scanned_layer_is_not_the_root_of_a_later_fault(gear):
+    """Layer 1's fp16 logits overflow. At STABLE its switch drops FAST's values (and the
+    backward drops FAST's pullback): STABLE computes the layer finite. Layer 2's output then
+    overflows in the model's own ``* boost``. Tier 2 named layer 1's dropped FAST ``dot_general``
+    (a newuser32 trial, an nnx.scan decoder put the wrong layer in SAFE): inside the loop body
+    the switch's branch was unknown, so it counted as reading FAST's statistics and the forward
+    body's FAST residuals as results. At FAST the same overflow is layer 1's fault."""
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 2, 8)), jnp.float16)
+    gears = jnp.full((3,), int(gear), jnp.int32)
+    qks = jnp.asarray([1.0, 300.0, 1.0], jnp.float16)
+    boosts = jnp.asarray([1.0, 1.0, 6e4], jnp.float16)
+    f = jax.value_and_grad(_geared_stack, has_aux=True)
+    if gear == Gear.STABLE:
+        (clean, _), _ = f(x, gears, qks, jnp.ones(3, jnp.float16))
+        assert np.isfinite(clean)  # STABLE alone keeps layer 1 finite
+        r = _check(f, (x, gears, qks, boosts), "mul", "stack_boost", "inf")
+        assert ("iter", 2) in r.eqn_path and r.site is None
+    else:
+        r = locate(jax.make_jaxpr(f)(x, gears, qks, boosts), (x, gears, qks, boosts))
+        assert (r.primitive, r.kind, r.direction) == ("dot_general", "inf", "forward"), str(r)
+        assert ("iter", 1) in r.eqn_path
+
+
 def _grow(i, x):
     return x * 2  # FAULT:grow
 

@@ -129,6 +129,27 @@ def switch(gear: Any, branches: Sequence[Callable[..., Any]], *operands: Any) ->
     return _geared(gear, branches, operands)
 
 
+def _fast_residuals(gear: jax.Array, pullback: Any) -> Any:
+    """FAST's residuals as the backward reads them: FAST's own at FAST, zeros at any other gear.
+
+    Above FAST the backward drops FAST's pullback (``_geared``), and its residuals are where FAST
+    overflowed (the reason the site left FAST). Inside a loop (a scanned stack of layers) the
+    residuals leave the forward body as loop outputs, and the replay cannot see that the
+    backward loop drops them: it counts them as results, and named the dropped FAST overflow of
+    a layer at STABLE as the root of a fault in another layer. Selected by the gear, they are a
+    ``select_n`` the replay reads as masking, and the dropped pullback computes on zeros. At
+    FAST the select returns the residuals themselves (the gradients are bit-identical).
+    """
+    at_fast = gear == 0
+
+    def keep(r):
+        if not isinstance(r, jax.Array) or not jnp.issubdtype(r.dtype, jnp.inexact):
+            return r
+        return jnp.where(at_fast, r, jnp.zeros((), r.dtype))
+
+    return jax.tree_util.tree_map(keep, pullback)
+
+
 class _FastVJP(NamedTuple):
     """Kept for old imports (``nan2safe_jax.ops._FastVJP``): FAST's backward is now always
     JAX's own autodiff of FAST (``_geared``), so nothing reads these fields."""
@@ -178,7 +199,7 @@ def _geared(gear, branches, args):
 
     def run_fwd(gear, args):
         y_fast, pullback = jax.vjp(fast, *args)
-        return pick(gear, y_fast, args), (gear, args, pullback)
+        return pick(gear, y_fast, args), (gear, args, _fast_residuals(gear, pullback))
 
     def recompute(b):
         def bwd(_, args, ct):

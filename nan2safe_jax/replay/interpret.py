@@ -99,8 +99,12 @@ class Ctx:
         known: dict[int, int] | None = None,
         stop_at: int | None = None,
         watch: dict[int, tuple[int, ...]] | None = None,
+        runtime_branches: bool = False,
     ):
         self.mode = mode
+        # a ``cond`` of unknown index drops what its taken branch does not read, decided at run
+        # time (a loop body's walk: the gear switches of a scanned stack); else it reads all
+        self.runtime_branches = runtime_branches
         self.stop_at = stop_at  # flags: stop (``Stop``) before this flat equation (a prefix)
         self.watch = watch or {}  # flat index -> output positions whose values to keep
         self.watched: dict[int, list] = {}
@@ -124,6 +128,11 @@ class Ctx:
         # pinned so that no id is reused while the walk runs.
         self.links: list[tuple[tuple[int, ...], ...]] = []
         self.dead: list[bool] = []  # per link: the equation's results reach nothing (``_walk``)
+        # record index of a ``cond`` whose branch is known only at run time (a gear switch in a
+        # loop body: the index is a slice of the stacked gear) -> (index, used, operand ids):
+        # ``used[b, p]``: branch ``b`` reads operand ``p`` (``_flags_eqn``)
+        self.dynamic: dict[int, tuple[Any, np.ndarray, tuple[int, ...]]] = {}
+        self._refs_of: dict[int, list[frozenset]] = {}  # its operands' value indices
         self._dead_now = False
         self.output_ids: frozenset = frozenset()
         # Value indices of the top level's closed-over constants (``ClosedJaxpr.consts``): the
@@ -217,6 +226,7 @@ class Ctx:
         out_static = np.zeros(m, np.int8)
         live = np.zeros(m, bool)
         gi, si, go, so = [], [], [], []
+        via: list[tuple[int, tuple[int, ...]] | None] = []  # per input edge (``edge_active``)
         for k, rec in enumerate(self.recs):
             if rec[0] == "given" or rec[2] is None:
                 continue
@@ -227,22 +237,31 @@ class Ctx:
             si += [k] * len(ii)
             go += sorted(oi)
             so += [k] * len(oi)
+            refs = self._refs_of.get(k)
+            via += [
+                None if refs is None else (k, tuple(p for p, r in enumerate(refs) if v in r))
+                for v in sorted(ii)
+            ]
 
         ins_v, ins_k = np.asarray(gi, np.int32), np.asarray(si, np.int32)
         outs_v, outs_k = np.asarray(go, np.int32), np.asarray(so, np.int32)
+        active = self.edge_active(via)
 
-        def gather_max(idx, seg):
+        def gather_max(idx, seg, on=None):
             if not len(idx):
                 return jnp.zeros((m,), np.int8)
-            return jnp.maximum(jax.ops.segment_max(codes[idx], seg, m), jnp.int8(0))
+            c = codes[idx] if on is None else jnp.where(on, codes[idx], jnp.int8(0))
+            return jnp.maximum(jax.ops.segment_max(c, seg, m), jnp.int8(0))
 
         const = np.isin(ins_v, np.asarray(sorted(self.constants), np.int32))
-        traced_in = gather_max(ins_v[~const], ins_k[~const])
-        const_in = gather_max(ins_v[const], ins_k[const])
+        traced_in = gather_max(
+            ins_v[~const], ins_k[~const], None if active is None else active[~const]
+        )
+        const_in = gather_max(ins_v[const], ins_k[const], None if active is None else active[const])
         cin = jnp.maximum(jnp.maximum(traced_in, const_in), jnp.asarray(in_static))
         traced_out = gather_max(outs_v, outs_k)
         cout = jnp.maximum(traced_out, jnp.asarray(out_static))
-        edges = (ins_v, ins_k, outs_v, outs_k)
+        edges = (ins_v, ins_k, outs_v, outs_k, active)
         reaches = self._reaches(codes, edges, traced_out > 0, observed_only)
         root = (cout > 0) & (cin == 0) & live & reaches
         nan = (cout == 2) & (cin < 2) & live & reaches
@@ -257,6 +276,24 @@ class Ctx:
             literal = literal.at[ks].set(hit[:, 2])
         self._flags[observed_only] = (root, nan, literal)
         return self._flags[observed_only]
+
+    def edge_active(self, via: Sequence[tuple[int, tuple[int, ...]] | None]) -> Any:
+        """bool[#edges] on the device, or None when every edge is read: an input edge of a
+        ``cond`` whose branch is known at run time only (``dynamic``) is read when the taken
+        branch reads one of the operands that hold the value (``via``: the record and those
+        operand positions)."""
+        if all(v is None for v in via):
+            return None
+        out = np.ones(len(via), bool)
+        dyn = [(e, v) for e, v in enumerate(via) if v is not None]
+        got = []
+        for _, (k, positions) in dyn:
+            index, used, _ = self.dynamic[k]
+            if not positions:  # the index alone
+                got.append(jnp.asarray(True))
+            else:
+                got.append(jnp.any(jnp.asarray(used[:, list(positions)])[index]))
+        return jnp.asarray(out).at[np.asarray([e for e, _ in dyn])].set(jnp.stack(got))
 
     def _reaches(self, codes: Any, edges: tuple, bad_out: Any, observed_only: bool = False) -> Any:
         """bool[#equations]: the equation's non-finite output is not *masked* (see below).
@@ -285,7 +322,7 @@ class Ctx:
         ):
             return jnp.ones((m,), bool)
         nv = len(self.vals)
-        ins_v, ins_k, outs_v, outs_k = edges  # of the equations ``finalize`` flags
+        ins_v, ins_k, outs_v, outs_k, active = edges  # of the equations ``finalize`` flags
         kinds = [r[0] for r in self.recs]
         given = np.asarray([k == "given" for k in kinds])
         mask = np.asarray([k == "mask" for k in kinds])
@@ -294,6 +331,8 @@ class Ctx:
         if extra:  # a loop instrumented in place reads its operands too
             ins_v = np.concatenate([ins_v, np.asarray([v for v, _ in extra], np.int32)])
             ins_k = np.concatenate([ins_k, np.asarray([k for _, k in extra], np.int32)])
+            if active is not None:
+                active = jnp.concatenate([active, jnp.ones(len(extra), bool)])
         read = np.zeros(nv, bool)
         read[ins_v] = True
         dropped = sorted({v for r in self.recs if len(r) > 3 for v in r[3][1]})
@@ -310,13 +349,14 @@ class Ctx:
         def value_any(per_eqn):  # per value: any equation reading it
             if not len(ins_v):
                 return jnp.zeros((nv,), bool)
-            return jax.ops.segment_max(per_eqn[ins_k].astype(jnp.int8), ins_v, nv) > 0
+            on = per_eqn[ins_k] if active is None else per_eqn[ins_k] & active
+            return jax.ops.segment_max(on.astype(jnp.int8), ins_v, nv) > 0
 
         # An equation observes a value only if its own result is needed: FAST's probe
         # statistics of a site at SAFE read FAST's non-finite values into finite ones, but
         # only the gear ``cond`` reads those statistics, and it drops them.
-        needed = self._needed()
-        observes = jnp.asarray(given) | (jnp.asarray(has_out & ~mask & needed) & ~bad_out)
+        needed = self._needed() if not self.dynamic else self._needed_dynamic()
+        observes = jnp.asarray(given) | (jnp.asarray(has_out & ~mask) & needed & ~bad_out)
         seed = returned if observed_only else returned | ~read
         base = nonfin & (jnp.asarray(seed) | value_any(observes))
 
@@ -361,6 +401,54 @@ class Ctx:
             if out[k]:
                 need.update(reads)
         return out
+
+    def _needed_dynamic(self) -> Any:
+        """``_needed`` where a ``cond``'s branch is known at run time only (``dynamic``): the
+        same backward pass, with the need of a record's results a Python bool, or a traced one
+        where it depends on which operands such a ``cond``'s taken branch reads (FAST's
+        statistics in a scanned site at STABLE: read by the gear switch, which drops them).
+
+        Returns:
+          bool[#records] on the device.
+        """
+        read: set[int] = set()
+        for reads, _, drops in self.links:
+            read.update(reads, drops)
+        need: dict[int, Any] = {w: True for w in self.output_ids}
+
+        def either(a: Any, b: Any) -> Any:
+            if a is True or b is True:
+                return True
+            if a is False:
+                return b
+            return a if b is False else jnp.logical_or(a, b)
+
+        out: list[Any] = [True] * len(self.recs)
+        for k in range(len(self.recs) - 1, -1, -1):
+            reads, writes, _ = self.links[k]
+            if self.dead[k]:
+                out[k] = False
+            elif self.recs[k][0] != "given":
+                got: Any = not writes
+                for w in writes:
+                    got = either(got, True if w not in read else need.get(w, False))
+                out[k] = got
+            if out[k] is False:
+                continue
+            dyn = self.dynamic.get(k)
+            for r in reads:
+                on: Any = out[k]
+                if dyn is not None and r in dyn[2]:
+                    index, used, ops = dyn
+                    ps = [p for p, o in enumerate(ops) if o == r]
+                    taken = jnp.any(jnp.asarray(used[:, ps])[index])
+                    on = taken if on is True else jnp.logical_and(on, taken)
+                need[r] = either(need.get(r, False), on)
+        traced = [k for k, x in enumerate(out) if not isinstance(x, bool)]
+        static = jnp.asarray(np.asarray([x is not False for x in out], bool))
+        if not traced:
+            return static
+        return static.at[np.asarray(traced)].set(jnp.stack([out[k] for k in traced]))
 
     def any_flags(self) -> Any:
         """bool[3]: whether any equation of this walk is flagged root / nan / literal."""
@@ -513,6 +601,16 @@ def _flags_eqn(eqn: Any, invals: list, ns: Any, ctx: Ctx, branch: int | None = N
         drop = [x for x, u in zip(ops, used, strict=True) if not u]
         ctx.recs.append(("mask", ctx.union(keep), ctx.union(outs), ctx.union(drop)))
         ctx.link(keep, outs, drop)
+    elif eqn.primitive.name == "cond" and ctx.runtime_branches:
+        # The branch is known at run time only (a gear switch in a loop body): the operands
+        # the taken branch does not read are dropped as for a known branch, decided on the
+        # device (``Ctx.edge_active``, ``Ctx._needed_dynamic``).
+        used = np.asarray([_reads(b[0]) for b in jc.cond_branches(eqn)], bool)
+        index = jnp.clip(jnp.asarray(invals[0], jnp.int32), 0, len(used) - 1)
+        ctx.record(ctx.union(invals), ctx.union(outs), "mask")
+        ctx.dynamic[len(ctx.recs) - 1] = (index, used, tuple(map(id, invals[1:])))
+        ctx._refs_of[len(ctx.recs) - 1] = [ctx.ref(x)[1] for x in invals[1:]]
+        ctx.link(invals, outs)
     else:
         name = eqn.primitive.name
         absorbs = name in _ABSORBING and all(inexact(o) for o in outs)

@@ -136,7 +136,7 @@ def _scan_flags(eqn: Any, invals: list, ns: Any) -> tuple[list, Any, Any]:
 
     def body(carry, x):
         i, first, c, kept = carry
-        sub = it.Ctx("flags")
+        sub = it.Ctx("flags", runtime_branches=True)
         outs = it.walk(sp["jaxpr"], sp["consts"], [*consts, *c, *x], sub, ns)
         t = (length - 1 - i) if sp["reverse"] else i  # index along the scanned axis
         hit = sub.any_flags()
@@ -229,13 +229,13 @@ def _while_flags(eqn: Any, invals: list, ns: Any) -> tuple[list, Any]:
         body_jaxpr, body_consts = wp["body_jaxpr"], wp["body_consts"]
 
     def cond_eval(c):
-        sub = it.Ctx("flags")
+        sub = it.Ctx("flags", runtime_branches=True)
         pred = it.walk(wp["cond_jaxpr"], wp["cond_consts"], [*cc, *c], sub, ns)[0]
         return pred, sub.any_flags()
 
     def body(s):
         pred, i, first, c = s
-        sub = it.Ctx("flags")
+        sub = it.Ctx("flags", runtime_branches=True)
         # A batched loop's select is in the same walk: a value made only in a finished
         # example's lane, which it drops, is masked (no root), as it reaches no result in JAX.
         args = [*bc, *c, pred] if jnp.ndim(pred) else [*bc, *c]
