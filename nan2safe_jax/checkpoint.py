@@ -186,6 +186,7 @@ class CheckpointSaveError(OSError):
     def __init__(self, message: str, step: int | None):
         super().__init__(message)
         self.step = step
+        self.logged = False  # the Trainer logs it once (``Trainer._log_save_error``)
 
 
 def leaf_paths(state) -> list[str]:

@@ -22,6 +22,7 @@ import pickle
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -298,6 +299,8 @@ class Trainer:
         self._skip_in = 0
         self.last_report = None
         self.step = 0
+        # the state the newest checkpoint was saved from (``save``); weak: not kept alive
+        self._checkpointed: Callable[[], Any] = lambda: None
         self._last_sites: dict[str, Any] = {}
         self._last_level: int | None = None
         recorded = workdir_lib.read_run_record(self.workdir) if resume else {}
@@ -407,8 +410,9 @@ class Trainer:
         In a run of several processes, every process calls it.
 
         Returns:
-          Whether checkpoint ``self.step`` holds the current state (True at once when it
-          already exists: a checkpoint of this run at this step holds this state).
+          Whether checkpoint ``self.step`` holds the current state (True at once when that
+          checkpoint was saved from, or restored into, this very state; a state replaced since,
+          e.g. with gears set by hand, is saved over it).
 
         Raises:
           ValueError: the trainer is closed.
@@ -416,7 +420,7 @@ class Trainer:
         """
         if self.closed:
             raise ValueError(f"this Trainer of {str(self.workdir)!r} is closed: nothing to save")
-        if self.step in self.checkpoints.steps():
+        if self.state is self._checkpointed() and self.step in self.checkpoints.steps():
             return True
         saved = self._checkpoint(self.step, self.state)
         self._join_saves(raise_error=True)
@@ -465,6 +469,7 @@ class Trainer:
         if found is not None:
             self.state, step = found
             self.step = int(step)
+            self._checkpointed = weakref.ref(self.state)
             changed = _config_changes(recorded, run["config"])
             if changed:
                 warnings.warn(
@@ -583,6 +588,8 @@ class Trainer:
             self.log.append("error", self.step, detail=str(lost))
             raise lost from err
         except BaseException as err:  # the data, the loss function, Ctrl-C
+            if isinstance(err, CheckpointSaveError):  # from any wait: a rollback's too
+                self._log_save_error(err)
             if inflight is not None and not finishing:
                 self._finish_before_raising(inflight, history, bar, err)
             raise
@@ -608,6 +615,11 @@ class Trainer:
                 raise
 
     def _log_save_error(self, err: CheckpointSaveError) -> None:
+        """Logs ``err`` as an ``error`` event at its step, once (orbax raises a failed save
+        once, wherever the next wait is: a rollback's restore too)."""
+        if getattr(err, "logged", False):
+            return
+        err.logged = True
         try:  # the log may sit on the full disk too
             self.log.append("error", self.step if err.step is None else err.step, detail=str(err))
         except OSError:
@@ -716,6 +728,7 @@ class Trainer:
             self._log_save_error(err)
             raise
         if saved:
+            self._checkpointed = weakref.ref(state)
             self.log.append("checkpoint", step, path=str(self.checkpoints.path(step)))
             return True
         self.log.append("error", step, detail="state not finite: no checkpoint")

@@ -74,12 +74,22 @@ def write_run_record(workdir: Path, run: dict) -> None:
     Args:
       workdir: the run's folder.
       run: the record (factory, config, has_aux), JSON-serializable.
+
+    A record that cannot be written (a full disk, a folder named ``run.json``) is warned about
+    (``RuntimeWarning``); training does not depend on it.
     """
     path = Path(workdir) / RUN_RECORD
     tmp = path.with_name(f".{RUN_RECORD}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
     try:
         tmp.write_text(json.dumps(run, indent=1))
         os.replace(tmp, path)
+    except OSError as err:  # a full disk, a folder of that name: the checkpoints do not need it
+        warnings.warn(
+            f"cannot write the run record {str(path)!r} ({err}): training goes on; `nan2safe "
+            "locate` then needs --factory",
+            RuntimeWarning,
+            2,
+        )
     finally:
         tmp.unlink(missing_ok=True)
 

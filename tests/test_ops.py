@@ -677,6 +677,24 @@ def test_bad_gears_raise():
         jax.make_jaxpr(lambda g: ops.softmax(x, gear=g))(jnp.zeros((4,), jnp.int32))
 
 
+@pytest.mark.parametrize("gear", [-1, -5, 0, 3])
+def test_a_traced_gear_out_of_range_is_clamped_in_the_backward_too(gear):
+    """``lax.switch`` clamps a traced index: -1 runs FAST, 3 SAFE. FAST's saved residuals are
+    kept at FAST only (zeros above it, where the backward drops FAST's pullback); a gear of -1
+    ran FAST forward but its backward read zeros: gradients of 0, silently (review20)."""
+    x = jnp.linspace(0.5, 2.0, 8).reshape(2, 4)
+    w = jnp.full((4,), 2.0)
+
+    def f(x, w, g):
+        return jnp.sum(ops.layer_norm(x * w, None, None, 1e-6, gear=g) * x)
+
+    clamped = min(max(gear, 0), 2)
+    want = jax.grad(f, argnums=(0, 1))(x, w, clamped)  # a concrete gear: that branch alone
+    got = jax.jit(jax.grad(f, argnums=(0, 1)))(x, w, jnp.int32(gear))
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def _primitives(jaxpr) -> set[str]:
     """Every primitive name in ``jaxpr``, through call-like equations (``custom_vjp_call``)."""
     names = set()

@@ -253,6 +253,15 @@ def test_the_work_a_resume_ran_again_is_counted_once(tmp_path):
     assert "checkpoint 1, downshift 1, locate 1, safe_enter 1" in text
     assert text.count("act") == 2  # the SAFE entries' site, and one incident row
 
+    # A finished run reopened to be read (a resume at its newest checkpoint, nothing trained
+    # after it) re-ran nothing: its incident after that checkpoint stands (review20).
+    with R.EventLog(tmp_path / "reopened") as log:
+        log.append("checkpoint", 10)
+        log.append("locate", 11, report={"site": "act", "primitive": "log"}, action="SAFE")
+        log.append("resume", 10, from_step=10)
+    s = R.summary(tmp_path / "reopened")
+    assert s["incidents_located"] == 1 and s["lost_to_resume"] == {}
+
 
 def test_print_summary_renders_table(run_dir):
     from rich.console import Console

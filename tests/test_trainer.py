@@ -28,6 +28,7 @@ from tiny_models import (
 )
 
 from nan2safe_jax import Config, Gear, Trainer, cli
+from nan2safe_jax import gear as gear_lib
 from nan2safe_jax import nn as nan2safe_nn
 from nan2safe_jax import train as nan2safe_train
 from nan2safe_jax.report import read_events, read_metrics
@@ -143,6 +144,20 @@ def test_save_keeps_a_runs_last_steps_and_a_resume_goes_past_a_damaged_record(tm
     assert json.loads(record.read_text())["config"]["checkpoint_every"] == 5  # written whole
     assert [p.name for p in run.iterdir() if p.name.startswith(".run.json")] == []
 
+    # A state replaced since its checkpoint (gears set by hand) is saved over it.
+    with trainer() as tr:
+        tr.state = tr.state.replace(gear=gear_lib.set_level(tr.state.gear, Gear.SAFE))
+        assert tr.save() and tr.checkpoints.steps() == [5, 10, 12]  # 12: the corrupt one
+    with trainer() as tr:
+        assert tr.step == 10 and int(tr.state.gear.level) == Gear.SAFE
+    # A run record that cannot be written (a folder of that name): said, and training goes on.
+    record.unlink()
+    record.mkdir()
+    with pytest.warns(RuntimeWarning, match="cannot write the run record"):
+        tr = trainer()
+    tr.fit(_batches(2), steps=2)
+    tr.close()
+
 
 def test_a_checkpoint_that_cannot_be_written_is_an_oserror_that_hides_no_other(
     tmp_path, monkeypatch
@@ -183,6 +198,44 @@ def test_a_checkpoint_that_cannot_be_written_is_an_oserror_that_hides_no_other(
         if e.get("detail", "").startswith("checkpoint")
     ]
     assert failed == [5, 10]
+
+
+def test_a_failed_save_raised_by_a_rollbacks_wait_is_logged_too(tmp_path, monkeypatch):
+    """orbax raises a failed background save once, at whichever wait comes next. When that was
+    a rollback's (the state at checkpoint 10 damaged), the error left ``fit`` unlogged, and the
+    log kept checkpoint 5 as saved (review20)."""
+    from nan2safe_jax.checkpoint import Checkpointer, CheckpointSaveError
+
+    tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
+    tr.fit(_batches(3), steps=3)
+    manager = tr.checkpoints._manager
+    real_save, real_wait = manager.save, manager.wait_until_finished
+    failing = {"now": False}
+
+    def save(step, *a, **k):
+        out = real_save(step, *a, **k)
+        failing["now"] |= step == 5  # checkpoint 5's background write fails
+        return out
+
+    def wait():
+        real_wait()
+        if failing["now"]:
+            failing["now"] = False  # raised once, as orbax does
+            raise ValueError("RESOURCE_EXHAUSTED: No space left on device")
+
+    monkeypatch.setattr(manager, "save", save)
+    monkeypatch.setattr(manager, "wait_until_finished", wait)
+    real_ck_save = Checkpointer.save
+
+    def refuse_10(self, step, state, *, finite=None):  # damaged at 10: a rollback
+        return real_ck_save(self, step, state, finite=False if step == 10 else finite)
+
+    monkeypatch.setattr(Checkpointer, "save", refuse_10)
+    with pytest.raises(CheckpointSaveError):
+        tr.fit(_batches(9, seed=1), steps=9)
+    tr.close()
+    ev = read_events(tmp_path / "run")
+    assert [e["step"] for e in ev if "could not be written" in e.get("detail", "")] == [5]
 
 
 def test_clean_run_checkpoints_and_logs(tmp_path, capsys):

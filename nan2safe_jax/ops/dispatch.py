@@ -183,6 +183,9 @@ def _geared(gear, branches, args):
     name = current_branch_site()
     wrap = (lambda f: scoped(f, name)) if name is not None else (lambda f: f)
     fast, others = branches[0], [wrap(b) for b in branches[1:]]
+    # Clamped once, as ``lax.switch`` clamps: a gear below 0 runs FAST, and its backward must
+    # then read FAST's residuals (``_fast_residuals`` keeps them at index 0 only).
+    gear = jnp.clip(gear, 0, len(branches) - 1)
 
     def through(y, *_):
         return y

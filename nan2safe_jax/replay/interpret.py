@@ -606,7 +606,8 @@ def _flags_eqn(eqn: Any, invals: list, ns: Any, ctx: Ctx, branch: int | None = N
         # the taken branch does not read are dropped as for a known branch, decided on the
         # device (``Ctx.edge_active``, ``Ctx._needed_dynamic``).
         used = np.asarray([_reads(b[0]) for b in jc.cond_branches(eqn)], bool)
-        index = jnp.clip(jnp.asarray(invals[0], jnp.int32), 0, len(used) - 1)
+        i, n = jnp.asarray(invals[0], jnp.int32), len(used)
+        index = jnp.where((i < 0) | (i >= n), n - 1, i)  # as XLA runs an index out of range
         ctx.record(ctx.union(invals), ctx.union(outs), "mask")
         ctx.dynamic[len(ctx.recs) - 1] = (index, used, tuple(map(id, invals[1:])))
         ctx._refs_of[len(ctx.recs) - 1] = [ctx.ref(x)[1] for x in invals[1:]]

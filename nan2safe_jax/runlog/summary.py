@@ -56,14 +56,16 @@ def _load(workdir: str | os.PathLike) -> _Run:
 
 
 def split_lost(events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Splits ``events`` (file order) into those that stand and those of work a resume lost.
+    """Splits ``events`` (file order) into those that stand and those of work a resume re-ran.
 
     A run killed after checkpoint ``R`` resumes from it and runs steps ``R, R+1, ...`` again:
     what the killed process logged for those steps (an incident, its downshift, a checkpoint
     whose save may never have finished) is logged again by the run that resumed. Counted
     twice, one fault read as two. An event logged before a ``resume`` at step ``R``, at step
     ``R`` or later (a checkpoint: after ``R``, since checkpoint ``R`` is the one resumed from),
-    is lost work.
+    that the resumed run logs again (same type, same step) is that re-run work. One the resumed
+    run does not log again stands: a run reopened only to be read (a ``resume`` at its newest
+    checkpoint, nothing trained after it) re-ran nothing.
 
     Returns:
       ``(standing, lost)``, each in file order.
@@ -73,11 +75,13 @@ def split_lost(events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list
         if e.get("type") != "resume":
             continue
         r = e["step"]
+        again = {(x.get("type"), x["step"]) for x in events[i + 1 :]}
         for before in events[:i]:
             kind = before.get("type")
             if kind == "resume":  # each start stands, one after another at one step too
                 continue
-            if before["step"] > r or (before["step"] == r and kind != "checkpoint"):
+            after = before["step"] > r or (before["step"] == r and kind != "checkpoint")
+            if after and (kind, before["step"]) in again:
                 lost_ids.add(id(before))
     standing = [e for e in events if id(e) not in lost_ids]
     return standing, [e for e in events if id(e) in lost_ids]
