@@ -257,6 +257,38 @@ def test_a_dropped_fast_overflow_in_a_scanned_layer_is_not_the_root_of_a_later_f
         assert ("iter", 1) in r.eqn_path
 
 
+def _vmapped_experts(x, gears, qks):
+    """Experts vmapped with a batched gear (each expert a site of its own): ``vmap`` turns the
+    gear switch into ``select_n``s, and hands every branch each operand through one."""
+
+    def expert(c, gear, qk):
+        q = c * qk
+        return c + ops.attention(q, q, c, gear=gear, explicit=True)
+
+    return jnp.sum(jax.vmap(expert)(x, gears, qks).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["value", "value_and_grad"])
+@pytest.mark.parametrize("fault", [False, True], ids=["dropped", "fast_expert"])
+def test_a_batched_gear_drops_fast_where_it_is_not_fast(fault, grad):
+    """Expert 1 is at STABLE and its fp16 FAST logits overflow; STABLE computes it finite. The
+    program's outputs are finite, yet tier 2 named the dropped FAST ``dot_general``: the copies
+    of FAST's value that vmap hands to the STABLE and SAFE branches, which they never read,
+    counted as live results (newuser34). When expert 0, at FAST, overflows too, that is the
+    fault."""
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 1, 8, 2, 8)) * 0.5, jnp.float16)
+    gears = jnp.asarray([Gear.FAST, Gear.STABLE], jnp.int32)
+    qks = jnp.asarray([300.0 if fault else 1.0, 300.0], jnp.float16)
+    f = jax.value_and_grad(_vmapped_experts) if grad else _vmapped_experts
+    args = (x, gears, qks)
+    assert np.isfinite(_vmapped_experts(*args)) != fault
+    r = locate(jax.make_jaxpr(f)(*args), args)
+    if not fault:
+        assert r is None, str(r)
+    else:
+        assert (r.primitive, r.kind, r.direction) == ("dot_general", "inf", "forward"), str(r)
+
+
 def _grow(i, x):
     return x * 2  # FAULT:grow
 

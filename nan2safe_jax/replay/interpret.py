@@ -357,7 +357,15 @@ class Ctx:
         # only the gear ``cond`` reads those statistics, and it drops them.
         needed = self._needed() if not self.dynamic else self._needed_dynamic()
         observes = jnp.asarray(given) | (jnp.asarray(has_out & ~mask) & needed & ~bad_out)
-        seed = returned if observed_only else returned | ~read
+        # An unread result counts as live (a primal ``jax.grad`` drops), but not one of a
+        # masking equation that is dead code: ``vmap`` of a gear switch with a batched gear
+        # hands every branch each operand through a ``select_n``, and the copies of FAST's
+        # value that STABLE and SAFE do not read made FAST's dropped overflow a root.
+        passes = np.zeros(nv, bool)
+        for k, rec in enumerate(self.recs):
+            if rec[0] == "mask" and self.dead[k] and rec[2] is not None:
+                passes[np.asarray(sorted(rec[2][1]), np.int64)] = True
+        seed = returned if observed_only else returned | (~read & ~passes)
         base = nonfin & (jnp.asarray(seed) | value_any(observes))
 
         def grow(state):
