@@ -289,6 +289,36 @@ def test_a_batched_gear_drops_fast_where_it_is_not_fast(fault, grad):
         assert (r.primitive, r.kind, r.direction) == ("dot_general", "inf", "forward"), str(r)
 
 
+def _dropped_where(w, c):
+    return jnp.where(c > -1.0, jnp.log(c) + w, 0.0)  # FAULT:dropped_where
+
+
+def _dropped_select(w, c):
+    return lax.select(c > -1.0, jnp.log(c) + w, jnp.zeros_like(w))  # FAULT:dropped_select
+
+
+def _dropped_cond(w, c):
+    return lax.cond(c >= 0, lambda: jnp.log(c) + w, lambda: w)  # FAULT:dropped_cond
+
+
+@pytest.mark.parametrize(
+    "f, marker",
+    [
+        (_dropped_where, "dropped_where"),
+        (_dropped_select, "dropped_select"),
+        (_dropped_cond, "dropped_cond"),
+    ],
+    ids=["where", "select", "cond"],
+)
+def test_a_fault_in_a_primal_grad_drops_is_named_when_a_masking_op_ends_it(f, marker):
+    """``jax.grad`` drops the loss; its ``log(0)`` still counts as live (the README's rule for a
+    primal ``jax.grad`` drops). The first exemption for the vmapped experts above (every dead
+    masking equation's unread result) lost these (review21); only a dead copy is exempt."""
+    w, c = jnp.float32(0.5), jnp.float32(0.0)
+    assert np.isfinite(jax.grad(f)(w, c))
+    _check(jax.grad(f), (w, c), "log", marker, "inf")
+
+
 def _grow(i, x):
     return x * 2  # FAULT:grow
 

@@ -134,6 +134,8 @@ class Ctx:
         self.dynamic: dict[int, tuple[Any, np.ndarray, tuple[int, ...]]] = {}
         self._refs_of: dict[int, list[frozenset]] = {}  # its operands' value indices
         self._dead_now = False
+        self.copy: list[bool] = []  # per link: a select_n of one value, a copy (``_copies``)
+        self._copy_now = False
         self.output_ids: frozenset = frozenset()
         # Value indices of the top level's closed-over constants (``ClosedJaxpr.consts``): the
         # replay passes them as operands, yet like a literal they are no equation's result.
@@ -199,6 +201,7 @@ class Ctx:
         self._pinned += [*reads, *writes, *drops]
         self.links.append((tuple(map(id, reads)), tuple(map(id, writes)), tuple(map(id, drops))))
         self.dead.append(self._dead_now)
+        self.copy.append(self._copy_now)
 
     def finalize(self, observed_only: bool = False) -> tuple[Any, Any, Any]:
         """``(root, nan, literal)``: bool[count] flags of every flat equation of this walk.
@@ -357,13 +360,13 @@ class Ctx:
         # only the gear ``cond`` reads those statistics, and it drops them.
         needed = self._needed() if not self.dynamic else self._needed_dynamic()
         observes = jnp.asarray(given) | (jnp.asarray(has_out & ~mask) & needed & ~bad_out)
-        # An unread result counts as live (a primal ``jax.grad`` drops), but not one of a
-        # masking equation that is dead code: ``vmap`` of a gear switch with a batched gear
-        # hands every branch each operand through a ``select_n``, and the copies of FAST's
-        # value that STABLE and SAFE do not read made FAST's dropped overflow a root.
+        # An unread result counts as live (a primal ``jax.grad`` drops), but not a dead copy
+        # (``_copies``): ``vmap`` of a gear switch with a batched gear hands every branch each
+        # operand through a ``select_n`` of it and its ``stop_gradient``, and the copies of
+        # FAST's value that STABLE and SAFE do not read made FAST's dropped overflow a root.
         passes = np.zeros(nv, bool)
         for k, rec in enumerate(self.recs):
-            if rec[0] == "mask" and self.dead[k] and rec[2] is not None:
+            if self.copy[k] and self.dead[k] and rec[2] is not None:
                 passes[np.asarray(sorted(rec[2][1]), np.int64)] = True
         seed = returned if observed_only else returned | (~read & ~passes)
         base = nonfin & (jnp.asarray(seed) | value_any(observes))
@@ -509,6 +512,26 @@ def walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: Ctx, ns: A
     return outs
 
 
+def _copies(jaxpr: Any) -> list[bool]:
+    """Per equation of one jaxpr level: a ``select_n`` whose cases are all one value, or
+    ``stop_gradient`` of it: a copy, whatever the predicate. ``vmap`` of a ``cond`` with a
+    batched index hands each branch its operands through such selects."""
+    source = {
+        e.outvars[0]: e.invars[0]
+        for e in jaxpr.eqns
+        if e.primitive.name == "stop_gradient" and not jc.is_literal(e.invars[0])
+    }
+    out = []
+    for e in jaxpr.eqns:
+        cases = e.invars[1:] if e.primitive.name == "select_n" else []
+        if not cases or any(jc.is_literal(c) for c in cases):
+            out.append(False)
+            continue
+        cases = [source.get(v, v) for v in cases]
+        out.append(all(c is cases[0] for c in cases))
+    return out
+
+
 def _dead_code(jaxpr: Any, live_out: Sequence[bool]) -> tuple[list[bool], list[list[bool]]]:
     """Static dead-code analysis of one jaxpr level: per equation, whether none of its results
     reaches a live output (``live_out``) and it has no effects; and which of its results do
@@ -534,6 +557,7 @@ def _walk(
 ) -> list:
     env: dict[Any, Any] = {}
     dead, outs_live = _dead_code(jaxpr, live_out)
+    copies = _copies(jaxpr)
 
     def read(a: Any) -> Any:
         return jc.literal_value(a) if jc.is_literal(a) else env[a]
@@ -550,7 +574,7 @@ def _walk(
             body, body_consts = rule.body(eqn)
             outs = _walk(body, body_consts, invals, ctx, ens, outs_live[i])
         else:
-            ctx._dead_now = dead[i]
+            ctx._dead_now, ctx._copy_now = dead[i], copies[i]
             k = ctx.count
             if ctx.stop_at is not None and k >= ctx.stop_at:
                 raise Stop({})
