@@ -287,16 +287,9 @@ class Ctx:
         operand positions)."""
         if all(v is None for v in via):
             return None
-        out = np.ones(len(via), bool)
         dyn = [(e, v) for e, v in enumerate(via) if v is not None]
-        got = []
-        for _, (k, positions) in dyn:
-            index, used, _ = self.dynamic[k]
-            if not positions:  # the index alone
-                got.append(jnp.asarray(True))
-            else:
-                got.append(jnp.any(jnp.asarray(used[:, list(positions)])[index]))
-        return jnp.asarray(out).at[np.asarray([e for e, _ in dyn])].set(jnp.stack(got))
+        got = jnp.stack([self._taken(k, positions) for _, (k, positions) in dyn])
+        return jnp.ones(len(via), bool).at[np.asarray([e for e, _ in dyn])].set(got)
 
     def _reaches(self, codes: Any, edges: tuple, bad_out: Any, observed_only: bool = False) -> Any:
         """bool[#equations]: the equation's non-finite output is not *masked* (see below).
@@ -358,7 +351,7 @@ class Ctx:
         # An equation observes a value only if its own result is needed: FAST's probe
         # statistics of a site at SAFE read FAST's non-finite values into finite ones, but
         # only the gear ``cond`` reads those statistics, and it drops them.
-        needed = self._needed() if not self.dynamic else self._needed_dynamic()
+        needed = self._needed()
         observes = jnp.asarray(given) | (jnp.asarray(has_out & ~mask) & needed & ~bad_out)
         # An unread result counts as live (a primal ``jax.grad`` drops), but not a dead copy
         # (``_copies``): ``vmap`` of a gear switch with a batched gear hands every branch each
@@ -386,9 +379,9 @@ class Ctx:
         live, _ = jax.lax.while_loop(lambda s: s[1], grow, (live0, again))
         return eqn_any((nonfin & live).astype(jnp.int8)) | jnp.asarray(given | ~has_out)
 
-    def _needed(self) -> np.ndarray:
+    def _needed(self) -> Any:
         """bool[#records]: the record's results (of any dtype) reach the walk's results
-        through reads that are not dropped by a known branch; a static, backward pass.
+        through reads that are not dropped by a known branch; a backward pass over the links.
 
         Results nothing reads count as needed (as in ``_reaches``: a later program may read
         them; a prefix's lower bound keeps them too, as every observation counted before a
@@ -397,30 +390,13 @@ class Ctx:
         tangent nobody uses: ``reduce_max``'s ``eq(x, max)`` over a masked row's ``-inf``, in a
         site at SAFE, made FAST's dropped ``-inf`` a root). A loop instrumented in place
         (``given``) is needed.
-        """
-        out = np.ones(len(self.recs), bool)
-        read: set[int] = set()
-        for reads, _, drops in self.links:
-            read.update(reads, drops)
-        need = set(self.output_ids)
-        for k in range(len(self.recs) - 1, -1, -1):
-            reads, writes, _ = self.links[k]
-            if self.dead[k]:
-                out[k] = False
-            elif self.recs[k][0] != "given":
-                out[k] = not writes or any(w in need or w not in read for w in writes)
-            if out[k]:
-                need.update(reads)
-        return out
 
-    def _needed_dynamic(self) -> Any:
-        """``_needed`` where a ``cond``'s branch is known at run time only (``dynamic``): the
-        same backward pass, with the need of a record's results a Python bool, or a traced one
-        where it depends on which operands such a ``cond``'s taken branch reads (FAST's
-        statistics in a scanned site at STABLE: read by the gear switch, which drops them).
+        A record's need is a Python bool, or a traced one where it depends on which operands a
+        ``cond`` whose branch is known at run time only (``dynamic``) reads: FAST's statistics
+        in a scanned site at STABLE, read by the gear switch, which drops them.
 
         Returns:
-          bool[#records] on the device.
+          A numpy array when no need is traced, else the same on the device.
         """
         read: set[int] = set()
         for reads, _, drops in self.links:
@@ -450,16 +426,22 @@ class Ctx:
             for r in reads:
                 on: Any = out[k]
                 if dyn is not None and r in dyn[2]:
-                    index, used, ops = dyn
-                    ps = [p for p, o in enumerate(ops) if o == r]
-                    taken = jnp.any(jnp.asarray(used[:, ps])[index])
+                    taken = self._taken(k, [p for p, o in enumerate(dyn[2]) if o == r])
                     on = taken if on is True else jnp.logical_and(on, taken)
                 need[r] = either(need.get(r, False), on)
+        static = np.asarray([x is not False for x in out], bool)
         traced = [k for k, x in enumerate(out) if not isinstance(x, bool)]
-        static = jnp.asarray(np.asarray([x is not False for x in out], bool))
         if not traced:
             return static
-        return static.at[np.asarray(traced)].set(jnp.stack([out[k] for k in traced]))
+        return jnp.asarray(static).at[np.asarray(traced)].set(jnp.stack([out[k] for k in traced]))
+
+    def _taken(self, k: int, positions: Sequence[int]) -> Any:
+        """Traced bool: the taken branch of ``dynamic`` record ``k`` reads one of its operands
+        at ``positions`` (True for none: the index alone)."""
+        if not positions:
+            return jnp.asarray(True)
+        index, used, _ = self.dynamic[k]
+        return jnp.any(jnp.asarray(used[:, list(positions)])[index])
 
     def any_flags(self) -> Any:
         """bool[3]: whether any equation of this walk is flagged root / nan / literal."""
@@ -636,7 +618,7 @@ def _flags_eqn(eqn: Any, invals: list, ns: Any, ctx: Ctx, branch: int | None = N
     elif eqn.primitive.name == "cond" and ctx.runtime_branches:
         # The branch is known at run time only (a gear switch in a loop body): the operands
         # the taken branch does not read are dropped as for a known branch, decided on the
-        # device (``Ctx.edge_active``, ``Ctx._needed_dynamic``).
+        # device (``Ctx.edge_active``, ``Ctx._needed``).
         used = np.asarray([_reads(b[0]) for b in jc.cond_branches(eqn)], bool)
         i, n = jnp.asarray(invals[0], jnp.int32), len(used)
         index = jnp.where((i < 0) | (i >= n), n - 1, i)  # as XLA runs an index out of range
