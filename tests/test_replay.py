@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import os
 import warnings
 
 import jax
@@ -225,8 +226,8 @@ def _geared_stack(x, gears, qks, boosts):
 
     def layer(c, xs):
         gear, qk, boost = xs
-        q = c * qk
-        out, stats = ops.attention(q, q, c, gear=gear, return_stats=True, explicit=True)
+        q, kw = c * qk, dict(return_stats=True, explicit=True)
+        out, stats = ops.attention(q, q, c, gear=gear, **kw)  # FAULT:stack_attn
         return c + out * boost, stats  # FAULT:stack_boost
 
     y, stats = lax.scan(layer, x, (gears, qks, boosts))
@@ -255,6 +256,11 @@ def test_a_dropped_fast_overflow_in_a_scanned_layer_is_not_the_root_of_a_later_f
         r = locate(jax.make_jaxpr(f)(x, gears, qks, boosts), (x, gears, qks, boosts))
         assert (r.primitive, r.kind, r.direction) == ("dot_general", "inf", "forward"), str(r)
         assert ("iter", 1) in r.eqn_path
+        # The op's own line, and the model's that called it: the gear switch's forward rule is
+        # traced late (the scan's JVP), and its equations carried the dispatcher's line
+        # (newuser34).
+        assert r.source.split(":")[0].endswith(os.path.join("nan2safe_jax", "ops", "attention.py"))
+        assert r.user_source.endswith(f"test_replay.py:{_line('stack_attn')}"), r.user_source
 
 
 def _vmapped_experts(x, gears, qks):

@@ -2,10 +2,10 @@
 
 A Python int dispatches directly (no ``cond`` in the program); anything else, notably a traced
 int32 scalar inside ``jit``, goes through ``_geared``: one compile serves all three gears.
-FAST runs as plain step code, outside any ``cond``, so XLA fuses it with its neighbours as it
-would fuse the ``flax.nnx`` layer it mirrors (a ``cond`` branch is a fusion island: that cost a
-train step 15-20% on the CPU, and moved FAST's results by an ulp); one ``cond`` per op then
-passes FAST's value through at FAST or runs the STABLE / SAFE path instead. ``branch_site``
+FAST runs as plain step code (a ``jit`` call, which XLA inlines; see ``_traced_now``), outside
+any ``cond``, so XLA fuses it with its neighbours as it would fuse the ``flax.nnx`` layer it
+mirrors (a ``cond`` branch is a fusion island: that cost a train step 15-20% on the CPU, and
+moved FAST's results by an ulp); one ``cond`` per op then passes FAST's value through at FAST or runs the STABLE / SAFE path instead. ``branch_site``
 re-enters a site's name scope inside every branch so the localizer can name it.
 
 A gear of dtype ``FAST_ONLY`` (uint8; ``fast_only_gear``) is FAST known at trace time, even as a
@@ -26,11 +26,13 @@ distinct path once, and a gear that maps to a single path needs no ``cond`` at a
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -150,6 +152,28 @@ def _fast_residuals(gear: jax.Array, pullback: Any) -> Any:
     return jax.tree_util.tree_map(keep, pullback)
 
 
+def _traced_now(branch: Callable[..., Any], args: Sequence[Any]) -> Callable[..., Any]:
+    """``branch``, traced now on ``args``'s avals, as a ``jit`` call of what it traced.
+
+    ``custom_vjp`` traces its forward rule lazily (when the JVP of an enclosing loop body
+    evaluates it, under the source context of the ``custom_vjp``'s own equation) and its
+    backward rule at transposition. Equations traced then carry this module's line, not the
+    op's: the localizer's ``source`` for a fault in a scanned stack read ``ops/dispatch.py``.
+    Equations bound again from a jaxpr keep the traceback they were traced with (``eval_jaxpr``
+    re-enters it), cut at the trace's root; the ``jit`` equation around them carries the frames
+    of its caller (the model's line), and the localizer joins the two.
+    """
+    closed, shapes = jax.make_jaxpr(branch, return_shape=True)(*args)
+    tree = jax.tree_util.tree_structure(shapes)
+    bind = jax.extend.core.jaxpr_as_fun(closed)
+    call = jax.jit(functools.wraps(branch)(lambda *leaves: bind(*leaves)))
+
+    def again(*a):
+        return jax.tree_util.tree_unflatten(tree, call(*jax.tree_util.tree_leaves(a)))
+
+    return again
+
+
 class _FastVJP(NamedTuple):
     """Kept for old imports (``nan2safe_jax.ops._FastVJP``): FAST's backward is now always
     JAX's own autodiff of FAST (``_geared``), so nothing reads these fields."""
@@ -183,6 +207,7 @@ def _geared(gear, branches, args):
     name = current_branch_site()
     wrap = (lambda f: scoped(f, name)) if name is not None else (lambda f: f)
     fast, others = branches[0], [wrap(b) for b in branches[1:]]
+    fast, others = _traced_now(fast, args), [_traced_now(b, args) for b in others]
     # Clamped once, as ``lax.switch`` clamps: a gear below 0 runs FAST, and its backward must
     # then read FAST's residuals (``_fast_residuals`` keeps them at index 0 only).
     gear = jnp.clip(gear, 0, len(branches) - 1)
