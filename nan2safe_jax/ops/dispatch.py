@@ -5,8 +5,9 @@ int32 scalar inside ``jit``, goes through ``_geared``: one compile serves all th
 FAST runs as plain step code (a ``jit`` call, which XLA inlines; see ``_traced_now``), outside
 any ``cond``, so XLA fuses it with its neighbours as it would fuse the ``flax.nnx`` layer it
 mirrors (a ``cond`` branch is a fusion island: that cost a train step 15-20% on the CPU, and
-moved FAST's results by an ulp); one ``cond`` per op then passes FAST's value through at FAST or runs the STABLE / SAFE path instead. ``branch_site``
-re-enters a site's name scope inside every branch so the localizer can name it.
+moved FAST's results by an ulp); one ``cond`` per op then passes FAST's value through at FAST
+or runs the STABLE / SAFE path instead. ``branch_site`` re-enters a site's name scope inside
+every branch so the localizer can name it.
 
 A gear of dtype ``FAST_ONLY`` (uint8; ``fast_only_gear``) is FAST known at trace time, even as a
 tracer: the switch calls the FAST branch directly. ``make_train_step`` builds its FAST-only
