@@ -325,6 +325,77 @@ def test_a_fault_in_a_primal_grad_drops_is_named_when_a_masking_op_ends_it(f, ma
     _check(jax.grad(f), (w, c), "log", marker, "inf")
 
 
+def _naive_softmax(x):
+    e = jnp.exp(x)  # FAULT:naive_exp
+    return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+def _softmax_site_then_square(w0, w, x, gear):
+    """A hand-written fp16 softmax geared as a site (FAST: itself; above it: f32 softmax) on an
+    input a parameter scales, then the model's own ``h * h * w``."""
+    x = x * w0
+
+    def safe(x):
+        return jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype)
+
+    h = ops.switch(gear, [_naive_softmax, safe, safe], x) + x
+    return jnp.mean((h * h * w).astype(jnp.float32))  # FAULT:square_after_site
+
+
+@pytest.mark.parametrize(
+    "gear, big, want",
+    [
+        (Gear.FAST, 20.0, ("exp", "naive_exp")),
+        (Gear.SAFE, 20.0, None),
+        (Gear.SAFE, 1000.0, ("mul", "square_after_site")),
+    ],
+    ids=["fast", "safe_clean", "safe_then_fault"],
+)
+def test_a_site_above_fast_is_not_blamed_for_what_its_dropped_residuals_observe(gear, big, want):
+    """At SAFE the site's FAST ``exp`` overflows and is dropped, yet the forward still computes
+    FAST's residuals from it: ``sum(e) ** -2`` turns the inf into a finite 0, an observation in
+    the forward prefix's eyes, which does not replay the backward that drops it. Tier 2 named
+    the site's ``exp`` in a step whose results were all finite, and for the model's own later
+    overflow (newuser36, a user ``nn.Site``). The scalar ``select_n`` that drops those residuals
+    above FAST now drops them in the replay, as a ``cond`` drops a branch."""
+    f16 = jnp.float16
+    x = jnp.ones((2, 8), f16).at[0, 0].set(big)
+    args = (jnp.ones(8, f16), jnp.ones(8, f16), x, jnp.int32(gear))
+    g = jax.value_and_grad(_softmax_site_then_square, argnums=(0, 1))
+    if want is None:
+        assert all(np.isfinite(a).all() for a in jax.tree.leaves(g(*args)))
+        r = locate(jax.make_jaxpr(g)(*args), args)
+        assert r is None, str(r)
+    else:
+        _check(g, args, want[0], want[1], "inf")
+
+
+def _fast_with_a_dead_result(x):
+    _ = x * 1e4  # overflows, and nothing reads it
+    return jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype)
+
+
+def test_a_dead_result_of_a_sites_fast_code_is_not_blamed_above_fast():
+    """FAST computes a value nothing reads, and it overflows. A result nothing reads counts as
+    live (a primal ``jax.grad`` drops), so at SAFE, in a finite step, tier 2 named it (the
+    README's limit until 2026-12-06). Each branch is now a ``jit`` call of its own
+    (``ops.dispatch._traced_now``), whose body's dead code the replay knows as dead."""
+
+    def safe(x):
+        return jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype)
+
+    def f(w0, x, gear):
+        h = ops.switch(gear, [_fast_with_a_dead_result, safe, safe], x * w0)
+        return jnp.mean(h.astype(jnp.float32))
+
+    x = jnp.full((2, 8), 100.0, jnp.float16)
+    args = (jnp.ones(8, jnp.float16), x, jnp.int32(Gear.SAFE))
+    g = jax.value_and_grad(f)
+    assert all(np.isfinite(a).all() for a in jax.tree.leaves(g(*args)))
+    r = locate(jax.make_jaxpr(g)(*args), args)
+    assert r is None, str(r)
+
+
 def _grow(i, x):
     return x * 2  # FAULT:grow
 

@@ -378,3 +378,57 @@ def test_the_layer_whose_fast_core_fails_is_named_not_the_one_already_in_safe(sa
     report = replay.locate_step(step, state, (x, mask))
     assert report.site == f"layers.{1 - safe}.core" and report.direction == "forward"
     assert report.primitive == "convert_element_type" and report.reproducible
+
+
+def _naive_softmax(x):
+    e = jnp.exp(x)
+    return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+def _softmax_f32(x):
+    return jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype)
+
+
+class _SoftmaxThenSquare(nnx.Module):
+    def __init__(self):
+        self.sm = nn.Site(_naive_softmax, safe=_softmax_f32)
+        self.w0 = nnx.Param(jnp.ones((8,), jnp.float32))
+        self.w = nnx.Param(jnp.ones((8,), jnp.float32))
+
+    def __call__(self, x):
+        x = x * self.w0.astype(jnp.float16)  # the site's input depends on a parameter
+        h = self.sm(x) + x
+        return h * h * self.w.astype(jnp.float16)  # the model's own op, outside every site
+
+
+@pytest.mark.parametrize("big", [12.0, 1000.0], ids=["clean", "fault_after_the_site"])
+def test_a_site_in_safe_is_not_blamed_for_a_fault_after_it(big):
+    """The site is in SAFE, and its FAST ``exp`` overflows (the reason it is there). With 1000
+    in the batch, ``h * h`` overflows too, outside every site: tier 2 named the site's dropped
+    ``exp`` (newuser36); with 12 the step is finite and there is nothing to name (the loss is
+    scaled down so that the fp16 loss scale does not overflow the backward)."""
+    cfg = nan2safe.Config()
+    state = nan2safe.TrainState.create(_SoftmaxThenSquare(), optax.sgd(1e-3), cfg)
+    state = state.replace(gear=nan2safe.gear.set_site(state.gear, "sm", Gear.SAFE, cfg=cfg))
+    x = jnp.ones((2, 8), jnp.float16).at[0, 0].set(big)
+
+    def loss_fn(m, batch):
+        return jnp.mean(m(batch).astype(jnp.float32)) * 1e-3
+
+    step = nan2safe.make_train_step(loss_fn)
+    _, metrics = step(state, x)
+    report = replay.locate_step(step, state, x)
+    if big == 12.0:
+        assert np.isfinite(float(metrics["loss"]))
+        assert report.primitive is None and report.site is None, report  # "only finite values"
+    else:
+        assert not np.isfinite(float(metrics["loss"]))
+        assert (report.primitive, report.site, report.direction) == ("mul", None, "forward")
+        assert report.source.endswith(f"test_user_site.py:{_line_of('h * h * self.w')}")
+
+
+def _line_of(text: str) -> int:
+    with open(__file__) as f:
+        hits = [i + 1 for i, line in enumerate(f) if text in line and "_line_of" not in line]
+    assert len(hits) == 1, hits
+    return hits[0]

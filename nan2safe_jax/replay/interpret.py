@@ -129,8 +129,9 @@ class Ctx:
         self.links: list[tuple[tuple[int, ...], ...]] = []
         self.dead: list[bool] = []  # per link: the equation's results reach nothing (``_walk``)
         # record index of a ``cond`` whose branch is known only at run time (a gear switch in a
-        # loop body: the index is a slice of the stacked gear) -> (index, used, operand ids):
-        # ``used[b, p]``: branch ``b`` reads operand ``p`` (``_flags_eqn``)
+        # loop body: the index is a slice of the stacked gear), or of a ``select_n`` with a
+        # scalar predicate -> (index, used, operand ids): ``used[b, p]``: branch (case) ``b``
+        # reads operand ``p`` (``_flags_eqn``, ``_runtime_pick``)
         self.dynamic: dict[int, tuple[Any, np.ndarray, tuple[int, ...]]] = {}
         self._refs_of: dict[int, list[frozenset]] = {}  # its operands' value indices
         self._dead_now = False
@@ -622,10 +623,16 @@ def _flags_eqn(eqn: Any, invals: list, ns: Any, ctx: Ctx, branch: int | None = N
         used = np.asarray([_reads(b[0]) for b in jc.cond_branches(eqn)], bool)
         i, n = jnp.asarray(invals[0], jnp.int32), len(used)
         index = jnp.where((i < 0) | (i >= n), n - 1, i)  # as XLA runs an index out of range
-        ctx.record(ctx.union(invals), ctx.union(outs), "mask")
-        ctx.dynamic[len(ctx.recs) - 1] = (index, used, tuple(map(id, invals[1:])))
-        ctx._refs_of[len(ctx.recs) - 1] = [ctx.ref(x)[1] for x in invals[1:]]
-        ctx.link(invals, outs)
+        _runtime_pick(ctx, invals, outs, index, used)
+    elif eqn.primitive.name == "select_n" and not np.shape(invals[0]) and len(invals) > 2:
+        # A scalar predicate returns one case whole, as a ``cond`` returns one branch's value:
+        # the other cases are dropped, decided on the device. FAST's residuals of a site above
+        # FAST (``ops.dispatch._fast_residuals``) are such a case: what the forward computes
+        # from FAST's overflow for the backward (``x ** -2``: a finite 0 from an inf) only
+        # looked observed while the backward was not replayed (the forward prefix).
+        n = len(invals) - 1
+        index = jnp.clip(jnp.asarray(invals[0], jnp.int32), 0, n - 1)
+        _runtime_pick(ctx, invals, outs, index, np.eye(n, dtype=bool))
     else:
         name = eqn.primitive.name
         absorbs = name in _ABSORBING and all(inexact(o) for o in outs)
@@ -633,6 +640,16 @@ def _flags_eqn(eqn: Any, invals: list, ns: Any, ctx: Ctx, branch: int | None = N
         ctx.record(ctx.union(invals), ctx.union(outs), kind)
         ctx.link(invals, outs)
     return outs
+
+
+def _runtime_pick(ctx: Ctx, invals: list, outs: list, index: Any, used: np.ndarray) -> None:
+    """Records an equation that returns what one of its ``used.shape[0]`` ways reads, the way
+    ``index`` chosen on the device (``used[b, p]``: way ``b`` reads operand ``p`` of
+    ``invals[1:]``): a ``cond`` or a scalar ``select_n``."""
+    ctx.record(ctx.union(invals), ctx.union(outs), "mask")
+    ctx.dynamic[len(ctx.recs) - 1] = (index, used, tuple(map(id, invals[1:])))
+    ctx._refs_of[len(ctx.recs) - 1] = [ctx.ref(x)[1] for x in invals[1:]]
+    ctx.link(invals, outs)
 
 
 def _reads(jaxpr: Any) -> list[bool]:
