@@ -9,6 +9,8 @@ field, the value received and the accepted range.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import math
 import numbers
 
@@ -362,3 +364,26 @@ class Config:
     def replace(self, **changes) -> Config:
         """Returns a copy with ``changes`` applied (and validated)."""
         return dataclasses.replace(self, **changes)
+
+
+class UnknownFieldError(ValueError, TypeError):
+    """A ``Config`` field that does not exist. A ``ValueError`` naming the field, as every bad
+    value is; a ``TypeError`` too, as Python raises for an unexpected keyword argument."""
+
+
+def _known_fields_only(init):
+    names = tuple(f.name for f in dataclasses.fields(Config))
+
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        for name in kwargs:
+            if name not in names:
+                near = difflib.get_close_matches(name, names, n=1)
+                hint = f" (did you mean {near[0]!r}?)" if near else ""
+                raise UnknownFieldError(f"Config has no field {name!r}{hint}")
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+Config.__init__ = _known_fields_only(Config.__init__)

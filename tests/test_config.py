@@ -98,3 +98,15 @@ def test_numpy_scalars_count_as_the_numbers_they_hold():
     ):
         with pytest.raises(ValueError, match=f"Config.{field}"):
             Config(**{field: value})
+
+
+@pytest.mark.parametrize("make", ["Config", "replace"])
+def test_an_unknown_field_is_a_value_error_naming_it(make):
+    """A misspelt field raised Python's bare ``TypeError`` (unexpected keyword argument); a
+    bad config is a ``ValueError`` naming the field, and this one says which field was meant.
+    It stays a ``TypeError`` too, for code that caught that."""
+    build = Config if make == "Config" else Config().replace
+    with pytest.raises(ValueError, match="'windw'.*did you mean 'window'") as info:
+        build(windw=3)
+    assert isinstance(info.value, TypeError)
+    assert build(window=3).window == 3
