@@ -620,8 +620,10 @@ class Trainer:
         if getattr(err, "logged", False):
             return
         err.logged = True
+        step = self.step if err.step is None else err.step
         try:  # the log may sit on the full disk too
-            self.log.append("error", self.step if err.step is None else err.step, detail=str(err))
+            # ``failed_checkpoint``: the report counts the save's ``checkpoint`` event as failed
+            self.log.append("error", step, detail=str(err), failed_checkpoint=err.step)
         except OSError:
             log.warning("%s", err)
 

@@ -31,7 +31,7 @@ from nan2safe_jax import Config, Gear, Trainer, cli
 from nan2safe_jax import gear as gear_lib
 from nan2safe_jax import nn as nan2safe_nn
 from nan2safe_jax import train as nan2safe_train
-from nan2safe_jax.report import read_events, read_metrics
+from nan2safe_jax.report import read_events, read_metrics, summary
 from nan2safe_jax.site import SiteGear, site_scope
 from nan2safe_jax.supervisor import NanIncidentError
 
@@ -198,6 +198,11 @@ def test_a_checkpoint_that_cannot_be_written_is_an_oserror_that_hides_no_other(
         if e.get("detail", "").startswith("checkpoint")
     ]
     assert failed == [5, 10]
+    # The report counts the checkpoints written (0 only): checkpoint 10's save had started, and
+    # logged a ``checkpoint`` event, before its write failed (newuser33: counted as saved).
+    logged = [e["step"] for e in read_events(tmp_path / "run") if e["type"] == "checkpoint"]
+    s = summary(tmp_path / "run")
+    assert logged == [0, 10] and (s["checkpoints"], s["checkpoints_failed"]) == (1, 2)
 
 
 def test_a_failed_save_raised_by_a_rollbacks_wait_is_logged_too(tmp_path, monkeypatch):

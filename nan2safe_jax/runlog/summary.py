@@ -136,12 +136,30 @@ def summary(workdir: str | os.PathLike) -> dict[str, Any]:
       primitive, diagnosis, direction, kind, source, user_source (the model line that called
       a built-in site, whose own ``source`` is a library line), action, replays, seconds,
       reproducible, label), ``incidents_located``, ``safe_entries``, ``safe_sites``, ``safe_exits``,
-      ``recoveries``, ``checkpoints``, ``resumes``, ``rollbacks``, ``transients``,
+      ``recoveries``, ``checkpoints`` (written; ``checkpoints_failed``: saves that failed),
+      ``resumes``, ``rollbacks``, ``transients``,
       ``polluted_inputs``, ``errors``, ``final_gear``, ``seconds_per_step`` (median) and
       ``wall_seconds``. Events of steps a resume ran again are not counted: ``lost_to_resume``
       counts them by type (``split_lost``).
     """
     return _summarize(_load(workdir))
+
+
+def _failed_saves(events: list[dict]) -> list[dict]:
+    """The ``checkpoint`` events whose write failed: each one the last logged for its step
+    before an ``error`` event naming that step's checkpoint (``failed_checkpoint``). The event
+    is logged once the save has started; a failure known then logs no ``checkpoint`` event, one
+    found when the write is waited for comes after it."""
+    last: dict[Any, dict] = {}
+    failed: list[dict] = []
+    for e in events:
+        if e.get("type") == "checkpoint":
+            last[e.get("step")] = e
+        elif e.get("type") == "error" and e.get("failed_checkpoint") is not None:
+            hit = last.pop(e["failed_checkpoint"], None)
+            if hit is not None:
+                failed.append(hit)
+    return failed
 
 
 def _summarize(run: _Run) -> dict[str, Any]:
@@ -150,6 +168,7 @@ def _summarize(run: _Run) -> dict[str, Any]:
     def count(t: str) -> int:
         return sum(1 for e in events if e.get("type") == t)
 
+    failed_saves = _failed_saves(events)
     finite = run.loss[np.isfinite(run.loss)]
     skip_events = [e for e in events if e.get("type") == "skip"]
     reasons = dict(Counter(str(e.get("reason", "?")) for e in skip_events))
@@ -206,7 +225,10 @@ def _summarize(run: _Run) -> dict[str, Any]:
         "safe_sites": safe_sites,
         "safe_exits": count("safe_exit"),
         "recoveries": count("recover"),
-        "checkpoints": count("checkpoint"),
+        "checkpoints": count("checkpoint") - len(failed_saves),
+        "checkpoints_failed": sum(
+            1 for e in events if e.get("type") == "error" and e.get("failed_checkpoint") is not None
+        ),
         "resumes": count("resume"),
         "rollbacks": count("rollback"),
         "rollback_causes": dict(
@@ -274,7 +296,8 @@ def print_summary(workdir: str | os.PathLike, console=None) -> dict[str, Any]:
     sites = ", ".join(s["safe_sites"])
     t.add_row("SAFE entries", f"{s['safe_entries']}" + (f" ({sites})" if sites else ""))
     t.add_row("recoveries", str(s["recoveries"]))
-    t.add_row("checkpoints", str(s["checkpoints"]))
+    failed = s.get("checkpoints_failed", 0)
+    t.add_row("checkpoints", str(s["checkpoints"]) + (f" ({failed} more failed)" if failed else ""))
     if s["resumes"]:
         t.add_row("resumes", str(s["resumes"]))
     if s["spikes"]:
