@@ -4,6 +4,7 @@ Public surface (see docs/design.md, "Module map"). ``import nan2safe_jax as nan2
 """
 
 from nan2safe_jax import (  # noqa: F401 - module access
+    decode,
     detector,
     gear,
     incidents,
@@ -30,6 +31,7 @@ __all__ = [
     "SiteGear",
     "TrainState",
     "Trainer",
+    "decode",
     "detector",
     "gear",
     "make_train_step",

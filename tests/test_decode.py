@@ -1,0 +1,167 @@
+"""nan2safe.decode.generate: a decode loop that rolls a bad token back and re-decodes it one gear
+up, compared against a plain decode loop of the same model at the gears it reports.
+
+One tiny fp16 decoder (flax's ``Embed``, ``MultiHeadAttention`` with a KV cache, ``Linear``),
+converted. Token 7's embedding row is scaled so that the attention's fp16 logits pass 65504 at
+FAST (flax's explicit path, taken with dropout configured): its logits are not finite there,
+and they are one gear up.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import nan2safe_jax as nan2safe
+from nan2safe_jax import decode
+from nan2safe_jax.gear import Gear
+
+F16 = jnp.float16
+B, L, D, V = 2, 8, 16, 32
+SCRIPT = [3, 5, 7]  # the tokens fed back first (7: the bad one, fed at step 3), then greedy
+
+
+class Decoder(nnx.Module):
+    def __init__(self, rngs, dtype=F16):
+        self.emb = nnx.Embed(V, D, rngs=rngs, dtype=dtype)
+        self.attn = nnx.MultiHeadAttention(
+            2, D, decode=True, dropout_rate=0.1, deterministic=True, rngs=rngs, dtype=dtype
+        )
+        self.out = nnx.Linear(D, V, rngs=rngs, dtype=dtype)
+
+    def __call__(self, token):
+        x = self.emb(token)[:, None, :]
+        return self.out(x + self.attn(x))[:, -1]
+
+
+def step(model, token):
+    return model(token)
+
+
+def _model(bad_scale: float = 1.0, convert: bool = True, dtype=F16) -> nnx.Module:
+    m = Decoder(nnx.Rngs(0), dtype)
+    m.emb.embedding[...] = m.emb.embedding[...].at[7].multiply(bad_scale)
+    if convert:
+        m = nan2safe.nn.convert(m)
+    m.attn.init_cache((B, L, D), dtype=dtype)
+    return m
+
+
+def _pick(t: int, logits) -> jax.Array:
+    if t < len(SCRIPT):
+        return jnp.full((B,), SCRIPT[t], jnp.int32)
+    return jnp.argmax(logits, axis=-1)
+
+
+def _scripted():
+    """``pick`` for ``generate``: the script's tokens, then greedy."""
+    count = itertools.count()
+    return lambda logits: _pick(next(count), logits)
+
+
+def _plain_decode(model, gears, n):
+    """The reference: a plain decode loop, token ``t`` at gear ``gears[t]``, fed as ``generate``
+    is fed. Returns the tokens and whether each step's logits were finite."""
+    token, tokens, finite = jnp.zeros((B,), jnp.int32), [], []
+    for t in range(n):
+        decode.set_gear(model, int(gears[t]))
+        logits = nnx.jit(step)(model, token)
+        finite.append(bool(jnp.isfinite(logits).all()))
+        token = _pick(t, logits)
+        tokens.append(np.asarray(token))
+    return np.stack(tokens, axis=-1), finite
+
+
+@pytest.mark.parametrize(
+    "dtype", [jnp.float16, jnp.bfloat16, jnp.float32], ids=["fp16", "bf16", "f32"]
+)
+def test_a_healthy_decode_is_the_plain_models_at_fast(dtype):
+    got = decode.generate(_model(dtype=dtype), step, jnp.zeros((B,), jnp.int32), 6)
+    assert got.tokens.shape == (B, 6) and got.events == [] and (got.gears == 0).all()
+    # greedy tokens of the stock flax model, decoded by hand
+    plain = _model(convert=False, dtype=dtype)
+    token, want = jnp.zeros((B,), jnp.int32), []
+    for _ in range(6):
+        token = jnp.argmax(nnx.jit(step)(plain, token), axis=-1)
+        want.append(np.asarray(token))
+    np.testing.assert_array_equal(got.tokens, np.stack(want, axis=-1))
+
+
+def test_a_non_finite_token_is_rolled_back_and_decoded_one_gear_up():
+    traces = []
+
+    def counted(model, token):
+        traces.append(1)  # runs once per trace
+        return model(token)
+
+    model = _model(bad_scale=1e5)
+    got = decode.generate(model, counted, jnp.zeros((B,), jnp.int32), 5, pick=_scripted())
+    rollbacks = [e for e in got.events if e["type"] == "rollback"]
+    assert rollbacks == [{"type": "rollback", "step": 3, "from": 0, "to": 1}]
+    assert got.gears.tolist() == [0, 0, 0, 1, 1]
+    assert len(traces) == 1  # the gear is data: one compile for FAST and STABLE
+    assert int(model.attn.cache_index[...]) == 5  # the rolled-back token wrote its slot once
+    # the same tokens decoded by hand at the gears generate reports, all finite; at FAST the
+    # bad token is not
+    want, finite = _plain_decode(_model(bad_scale=1e5), got.gears, 5)
+    np.testing.assert_array_equal(got.tokens, want)
+    assert all(finite)
+    assert _plain_decode(_model(bad_scale=1e5), np.zeros(5, int), 5)[1][3] is False
+
+
+def test_the_gear_comes_back_down_after_calm_tokens():
+    cfg = nan2safe.Config(recovery_window=1)
+    got = decode.generate(
+        _model(bad_scale=1e5), step, jnp.zeros((B,), jnp.int32), 6, cfg, pick=_scripted()
+    )
+    types = [(e["type"], e["step"]) for e in got.events]
+    assert types == [("rollback", 3), ("recover", 3)]
+    assert got.gears.tolist() == [0, 0, 0, 1, 0, 0]
+
+
+def test_a_token_that_no_gear_makes_finite_raises_and_keeps_the_last_good_state():
+    model = _model()
+    model.emb.embedding[...] = model.emb.embedding[...].at[7].set(jnp.nan)
+    with pytest.raises(decode.DecodeError, match="token 3") as info:
+        decode.generate(model, step, jnp.zeros((B,), jnp.int32), 5, pick=_scripted())
+    assert info.value.step == 3 and info.value.tokens.shape == (B, 3)
+    assert int(model.attn.cache_index[...]) == 3  # the cache of the last good token
+
+
+def test_a_probe_near_the_limit_moves_the_next_tokens_up_before_anything_is_non_finite():
+    # token 7's attention logits pass half of fp16's range (headroom_limit: 0.64 of it) but
+    # stay finite
+    got = decode.generate(
+        _model(bad_scale=700.0), step, jnp.zeros((B,), jnp.int32), 5, pick=_scripted()
+    )
+    assert [e["type"] for e in got.events] == ["downshift"]
+    assert got.events[0]["step"] == 3 and got.gears.tolist() == [0, 0, 0, 0, 1]
+    assert got.risk[3] == 1.0 and got.events[0]["probes"] == ["attn.probe_logits"]
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [({"steps": -1}, "steps"), ({"cfg": {"window": 3}}, "cfg")],
+    ids=["steps", "cfg"],
+)
+def test_bad_arguments_are_value_errors_naming_them(kw, field):
+    args = {"steps": 2} | kw
+    with pytest.raises(ValueError, match=field):
+        decode.generate(_model(), step, jnp.zeros((B,), jnp.int32), **args)
+
+
+def test_a_model_without_sites_is_told_to_convert():
+    with pytest.raises(ValueError, match="convert"):
+        decode.generate(_model(convert=False), step, jnp.zeros((B,), jnp.int32), 2)
+
+
+def test_set_gear_sets_every_site():
+    model = _model()
+    decode.set_gear(model, Gear.SAFE)
+    gears = nan2safe.site.site_gears(model)
+    assert gears and all(int(v.get_value()) == 2 for v in gears.values())
