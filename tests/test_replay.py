@@ -370,6 +370,20 @@ def test_a_site_above_fast_is_not_blamed_for_what_its_dropped_residuals_observe(
         _check(g, args, want[0], want[1], "inf")
 
 
+def _flag_is_predicate_and_case(x, q, y):
+    p = jnp.all(jnp.isfinite(jnp.log(x)))  # FAULT:observed_log
+    return jnp.where(p, p, q), y * 1e30 * 1e30
+
+
+def test_a_pick_whose_index_is_also_an_operand_still_reads_the_index():
+    """``where(p, p, q)``: ``p`` is the predicate and a case. With ``q`` taken, the need pass
+    counted ``p``'s read as dropped with the untaken case, lost the ``isfinite`` that observed
+    the ``log(0)``, and named the later overflow (review22). A pick's index is read whatever
+    it picks (a run-time ``cond`` whose index is an operand too follows the same rule)."""
+    args = (jnp.zeros(3), jnp.bool_(True), jnp.ones(3))
+    _check(_flag_is_predicate_and_case, args, "log", "observed_log", "inf")
+
+
 def _fast_with_a_dead_result(x):
     _ = x * 1e4  # overflows, and nothing reads it
     return jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype)

@@ -130,9 +130,10 @@ class Ctx:
         self.dead: list[bool] = []  # per link: the equation's results reach nothing (``_walk``)
         # record index of a ``cond`` whose branch is known only at run time (a gear switch in a
         # loop body: the index is a slice of the stacked gear), or of a ``select_n`` with a
-        # scalar predicate -> (index, used, operand ids): ``used[b, p]``: branch (case) ``b``
-        # reads operand ``p`` (``_flags_eqn``, ``_runtime_pick``)
-        self.dynamic: dict[int, tuple[Any, np.ndarray, tuple[int, ...]]] = {}
+        # scalar predicate -> (index, used, operand ids, the index's id): ``used[b, p]``: branch
+        # (case) ``b`` reads operand ``p`` (``_flags_eqn``, ``_runtime_pick``); the index is read
+        # whatever is taken, even where it is an operand too (``where(p, p, q)``)
+        self.dynamic: dict[int, tuple[Any, np.ndarray, tuple[int, ...], int]] = {}
         self._refs_of: dict[int, list[frozenset]] = {}  # its operands' value indices
         self._dead_now = False
         self.copy: list[bool] = []  # per link: a select_n of one value, a copy (``_copies``)
@@ -426,7 +427,7 @@ class Ctx:
             dyn = self.dynamic.get(k)
             for r in reads:
                 on: Any = out[k]
-                if dyn is not None and r in dyn[2]:
+                if dyn is not None and r in dyn[2] and r != dyn[3]:  # the index is always read
                     taken = self._taken(k, [p for p, o in enumerate(dyn[2]) if o == r])
                     on = taken if on is True else jnp.logical_and(on, taken)
                 need[r] = either(need.get(r, False), on)
@@ -441,7 +442,7 @@ class Ctx:
         at ``positions`` (True for none: the index alone)."""
         if not positions:
             return jnp.asarray(True)
-        index, used, _ = self.dynamic[k]
+        index, used, _, _ = self.dynamic[k]
         return jnp.any(jnp.asarray(used[:, list(positions)])[index])
 
     def any_flags(self) -> Any:
@@ -647,7 +648,7 @@ def _runtime_pick(ctx: Ctx, invals: list, outs: list, index: Any, used: np.ndarr
     ``index`` chosen on the device (``used[b, p]``: way ``b`` reads operand ``p`` of
     ``invals[1:]``): a ``cond`` or a scalar ``select_n``."""
     ctx.record(ctx.union(invals), ctx.union(outs), "mask")
-    ctx.dynamic[len(ctx.recs) - 1] = (index, used, tuple(map(id, invals[1:])))
+    ctx.dynamic[len(ctx.recs) - 1] = (index, used, tuple(map(id, invals[1:])), id(invals[0]))
     ctx._refs_of[len(ctx.recs) - 1] = [ctx.ref(x)[1] for x in invals[1:]]
     ctx.link(invals, outs)
 
