@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from nan2safe_jax.manual_axes import cotangents_like
 from nan2safe_jax.site import branch_site as branch_site  # re-exported: ops.branch_site
 from nan2safe_jax.site import current_branch_site, scoped
 
@@ -239,7 +240,7 @@ def _geared(gear, branches, args):
     def run_bwd(saved, ct):
         gear, args, pullback = saved
         dargs = lax.switch(gear, [through] + [recompute(b) for b in others], pullback(ct), args, ct)
-        return None, tuple(dargs)
+        return None, cotangents_like(tuple(dargs), tuple(args))
 
     run.defvjp(run_fwd, run_bwd)
     return run(gear, tuple(args))

@@ -10,6 +10,7 @@ from jax.typing import ArrayLike
 
 from nan2safe_jax.kernels import _common
 from nan2safe_jax.kernels.norms import pallas, reference
+from nan2safe_jax.manual_axes import cotangents_like
 
 
 def _forward(x, scale, bias, eps, kind, impl, interpret):
@@ -72,7 +73,7 @@ def _bwd(eps, kind, impl, interpret, res, cts):
     dx = jnp.where(inv > 0, inv * bracket, 0).astype(x.dtype).reshape(x.shape)
     dscale = None if scale is None else jnp.sum(g2d * xhat, axis=0).astype(scale.dtype)
     dbias = None if bias is None else jnp.sum(g2d, axis=0).astype(bias.dtype)
-    return dx, dscale, dbias
+    return cotangents_like((dx, dscale, dbias), (x, scale, bias))
 
 
 _safe_norm.defvjp(_fwd, _bwd)

@@ -11,6 +11,7 @@ from jax.typing import ArrayLike
 
 from nan2safe_jax.kernels import _common, _layout
 from nan2safe_jax.kernels.safe_reduce import pallas, reference
+from nan2safe_jax.manual_axes import cotangents_like
 
 Axis = None | int | Sequence[int]
 
@@ -47,8 +48,9 @@ def _safe_sum(x, axes, impl, interpret, mean):
 
 
 def _fwd(x, axes, impl, interpret, mean):
-    # Residual: a zero-size array that carries x's shape (minus one axis) and dtype.
-    return _forward(x, axes, impl, interpret, mean), jnp.zeros((0, *x.shape), x.dtype)
+    # Residual: a zero-size slice of x that carries its shape, dtype and (inside shard_map)
+    # the mesh axes it varies over.
+    return _forward(x, axes, impl, interpret, mean), x[None][:0]
 
 
 def _bwd(axes, impl, interpret, mean, res, cts):
@@ -63,7 +65,7 @@ def _bwd(axes, impl, interpret, mean, res, cts):
             count *= x_shape[a]
         g = g / jnp.asarray(count, g.dtype)
     g = jnp.expand_dims(g, axes) if axes else g
-    return (jnp.broadcast_to(g, x_shape).astype(x_dtype),)
+    return cotangents_like((jnp.broadcast_to(g, x_shape).astype(x_dtype),), (res,))
 
 
 _safe_sum.defvjp(_fwd, _bwd)

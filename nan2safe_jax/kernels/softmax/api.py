@@ -10,6 +10,7 @@ from jax.typing import ArrayLike
 
 from nan2safe_jax.kernels import _common, _layout
 from nan2safe_jax.kernels.softmax import pallas, reference
+from nan2safe_jax.manual_axes import cotangents_like
 
 
 def _forward(x, where, axis, impl, interpret):
@@ -51,7 +52,7 @@ def _bwd(axis, impl, interpret, y, cts):
     gy = jnp.where(zero, 0, g.astype(acc) * yf)
     s = jnp.sum(gy, axis=axis, keepdims=True)
     dx = jnp.where(zero, 0, gy - yf * s)
-    return dx.astype(y.dtype), None
+    return cotangents_like(dx.astype(y.dtype), y), None
 
 
 _safe_softmax.defvjp(_fwd, _bwd)
