@@ -14,12 +14,15 @@ non-finite. After ``cfg.recovery_window`` calm tokens the gear steps back down, 
 time.
 
 The gear is global here (every site together): naming one site would take a tier-2 replay per
-fault, and a decode step is cheap to re-run one gear up.
+fault, and a decode step is cheap to re-run one gear up. What made a token fail can stay in the
+cache (its keys and values): when the gear comes back down, a later token may fail at FAST
+again and be rolled back once more, one extra decode per ``recovery_window`` tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from nan2safe_jax import detector as detector_lib
+from nan2safe_jax import probe as probe_lib
 from nan2safe_jax import site as site_lib
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear
@@ -38,7 +42,6 @@ __all__ = ["DecodeError", "Generation", "generate"]
 
 # Each step function jitted once (``nnx.jit``), so that calls of ``generate`` share a compile.
 _JITTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_score = jax.jit(detector_lib.update, static_argnums=2)  # the detector, as the train step runs it
 
 
 class DecodeError(FloatingPointError):
@@ -84,14 +87,66 @@ def _jitted(step_fn: Callable) -> Callable:
 
 def set_gear(model: nnx.Module, gear: int) -> None:
     """Sets every site of ``model`` (each layer of a stacked one) to ``gear``, in place."""
-    for var in site_lib.site_gears(model).values():
+    _set(list(site_lib.site_gears(model).values()), gear)
+
+
+def _set(gear_vars: list, gear: int) -> None:
+    for var in gear_vars:
         value = site_lib.fill_default(var)
         var.set_value(jnp.full(jnp.shape(value), int(gear), jnp.int32))
 
 
-@jax.jit
-def _finite(logits: Any) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(logits)]))
+def _rows(values: list) -> jax.Array:
+    """The probes' statistics as one ``f32[P, NUM_STATS]``, in ``site.blocks_of``'s row order
+    (a probe with no rows adds none)."""
+    rows = [
+        jnp.reshape(jnp.asarray(leaf, jnp.float32), (-1, probe_lib.NUM_STATS))
+        for value in values
+        for leaf in jax.tree_util.tree_leaves(value)
+    ]
+    return jnp.concatenate(rows) if rows else jnp.zeros((0, probe_lib.NUM_STATS), jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _judge(logits: Any, probe_values: list, det: Any, cfg: Config):
+    """One token's verdict in one program: ``(f32[3] [finite, risk, calm], per-probe risk,
+    the detector folded)``; the caller keeps the detector only for an accepted token."""
+    finite = jnp.all(
+        jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(logits)])
+    )
+    new_det, risk = detector_lib.update(det, _rows(probe_values), cfg)
+    head = jnp.stack([finite, risk.risk, risk.calm]).astype(jnp.float32)
+    return head, risk.per_probe, new_det
+
+
+def _cache_leaves(model: nnx.Module) -> list:
+    return jax.tree_util.tree_leaves(nnx.state(model, nnx.Cache))
+
+
+def _check_logits(logits) -> None:
+    leaves = jax.tree_util.tree_leaves(logits)
+    if not leaves or not all(jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves):
+        raise ValueError(
+            f"step_fn must return the next token's logits (float arrays), got {logits!r:.200}"
+        )
+
+
+def _check_first(model, cache_before, token, next_token) -> None:
+    """The first token's results, checked once: misuse surfaces here, not deep in flax."""
+    after = _cache_leaves(model)
+    same = [jnp.array_equal(a, b) for a, b in zip(after, cache_before, strict=True)]
+    if cache_before and all(bool(x) for x in same):
+        raise ValueError(
+            "step_fn did not update the model's KV cache (nnx.Cache): a jax.jit function does "
+            "not write an nnx model back; pass the plain function (generate jits it with "
+            "nnx.jit) or an nnx.jit one"
+        )
+    shape, dtype = jnp.shape(next_token), jnp.result_type(next_token)
+    if shape != jnp.shape(token) or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(
+            f"pick must return integer tokens shaped as token {jnp.shape(token)}, got "
+            f"{dtype} {shape}"
+        )
 
 
 def generate(
@@ -111,7 +166,8 @@ def generate(
         your own changes it.
       step_fn: ``step_fn(model, token) -> logits`` for one token (``int[batch]``): it runs the
         model in decode mode and returns the next token's logits. Jitted here with
-        ``nnx.jit`` (once per function); a function already jitted is fine too.
+        ``nnx.jit`` (once per function); an ``nnx.jit`` one is fine too, not a ``jax.jit``
+        one (it does not write the model's cache back: a ``ValueError`` at the first token).
       token: ``int[batch]``, the first input token (the prompt's last).
       steps: tokens to decode (an int >= 0).
       cfg: the detector's thresholds and ``recovery_window`` (default ``Config()``).
@@ -122,8 +178,10 @@ def generate(
       A ``Generation``.
 
     Raises:
-      ValueError: ``steps`` is not an int >= 0, ``cfg`` not a ``Config``, or ``model`` has no
-        site (``nan2safe.nn.convert`` gives it sites).
+      ValueError: ``steps`` is not an int >= 0, ``cfg`` not a ``Config``, ``token`` not
+        integer, or ``model`` has no site (``nan2safe.nn.convert`` gives it sites); at the
+        first token: ``step_fn`` returned no float logits or left the KV cache as it was,
+        ``pick`` no integer tokens shaped as ``token``.
       DecodeError: a token is not finite at SAFE either (the model holds the last good
         token's state).
     """
@@ -138,55 +196,71 @@ def generate(
             "run nan2safe.nn.convert(model) first"
         )
     pick = pick or (lambda logits: jnp.argmax(logits, axis=-1))
-    run = _jitted(step_fn)
-    gear, calm_run = int(Gear.FAST), 0
-    det = None
-    tokens, gears, risks, events = [], [], [], []
     token = jnp.asarray(token)
-    for t in range(int(steps)):
-        # The arrays are immutable; the map detaches the state from the model's variables,
-        # which the step updates in place.
-        before = jax.tree_util.tree_map(lambda x: x, nnx.state(model, nnx.Not(nnx.Param)))
-        while True:
-            set_gear(model, gear)
-            logits = run(model, token)
-            if bool(_finite(logits)):
-                break
-            nnx.update(model, before)  # back to the last good token: its cache, its index
-            if gear == int(Gear.SAFE):
-                raise DecodeError(
-                    f"token {t}: logits not finite at SAFE either; the model holds the state of "
-                    "the last good token",
-                    t,
-                    np.stack(tokens, axis=-1) if tokens else np.zeros((0,), np.int32),
-                )
-            events.append({"type": "rollback", "step": t, "from": gear, "to": gear + 1})
-            gear, calm_run = gear + 1, 0
-        probes = site_lib.collect_probes(model)
-        if det is None:
-            det = detector_lib.DetectorState.create(tuple(probes))
-        det, risk = _score(det, probes, cfg)
-        r, calm = float(risk.risk), bool(risk.calm)
-        token = pick(logits)
-        tokens.append(np.asarray(token))
-        gears.append(gear)
-        risks.append(r)
-        if r >= 1.0 and gear == int(Gear.FAST):
-            hot = np.asarray(risk.per_probe) >= 1.0
-            events.append(
-                {
-                    "type": "downshift",
-                    "step": t,
-                    "risk": r,
-                    "probes": [n for n, h in zip(det.names, hot, strict=True) if h],
-                }
-            )
-            gear, calm_run = int(Gear.STABLE), 0
-            continue
-        calm_run = calm_run + 1 if calm else 0
-        if gear > int(Gear.FAST) and calm_run >= cfg.recovery_window:
-            events.append({"type": "recover", "step": t, "from": gear, "to": gear - 1})
-            gear, calm_run = gear - 1, 0
-    set_gear(model, Gear.FAST)
+    if not jnp.issubdtype(token.dtype, jnp.integer):
+        raise ValueError(f"token must be integer token ids, got {token.dtype}")
+    run = _jitted(step_fn)
+    gear_vars = list(site_lib.site_gears(model).values())
+    probe_vars = site_lib.probe_variables(model)
+    # What a rolled-back token restores: every variable but the parameters (the cache, its
+    # index, RNG counters), listed once; the step updates these same variables in place.
+    state_vars = [
+        v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)
+        and not isinstance(v, nnx.Param)
+    ]  # fmt: skip
+    gear, calm_run, det = int(Gear.FAST), 0, None
+    tokens, gears, risks, events = [], [], [], []
+    _set(gear_vars, gear)
+    try:
+        for t in range(int(steps)):
+            before = [v.get_value() for v in state_vars]  # immutable arrays: no copy
+            cache_before = _cache_leaves(model) if t == 0 else None
+            while True:
+                logits = run(model, token)
+                _check_logits(logits)
+                values = [v.get_value() for _, v in probe_vars]
+                if det is None:
+                    names = tuple(n for b in site_lib.blocks_of(probe_vars) for n in b.names)
+                    det = detector_lib.DetectorState.create(names)
+                head, per_probe, judged = _judge(logits, values, det, cfg)
+                finite, r, calm = np.asarray(head).tolist()
+                if finite:
+                    break
+                for v, x in zip(state_vars, before, strict=True):
+                    v.set_value(x)  # back to the last good token: its cache, its index
+                if gear == int(Gear.SAFE):
+                    done = np.stack(tokens, axis=-1) if tokens else np.zeros((*token.shape, 0))
+                    raise DecodeError(
+                        f"token {t}: logits not finite at SAFE either; the model holds the "
+                        "state of the last good token",
+                        t,
+                        done.astype(np.int32),
+                    )
+                events.append({"type": "rollback", "step": t, "from": gear, "to": gear + 1})
+                gear, calm_run = gear + 1, 0
+                _set(gear_vars, gear)
+            det = judged
+            next_token = pick(logits)
+            if t == 0:
+                _check_first(model, cache_before, token, next_token)
+            token = next_token
+            tokens.append(token)
+            gears.append(gear)
+            risks.append(r)
+            if r >= 1.0 and gear == int(Gear.FAST):
+                hot = np.asarray(per_probe) >= 1.0
+                probes = [n for n, h in zip(det.names, hot, strict=True) if h]
+                events.append({"type": "downshift", "step": t, "risk": r, "probes": probes})
+                gear, calm_run = int(Gear.STABLE), 0
+                _set(gear_vars, gear)
+                continue
+            calm_run = calm_run + 1 if calm else 0
+            if gear > int(Gear.FAST) and calm_run >= cfg.recovery_window:
+                events.append({"type": "recover", "step": t, "from": gear, "to": gear - 1})
+                gear, calm_run = gear - 1, 0
+                _set(gear_vars, gear)
+    finally:
+        _set(gear_vars, Gear.FAST)  # a plain call of the model after this runs FAST
+    tokens = [np.asarray(x) for x in tokens]
     out = np.stack(tokens, axis=-1) if tokens else np.zeros((np.size(token), 0), np.int32)
     return Generation(out, np.asarray(gears, np.int32), np.asarray(risks, np.float32), events)

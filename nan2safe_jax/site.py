@@ -263,11 +263,19 @@ def probe_blocks(model: nnx.Module) -> list[ProbeBlock]:
     Returns:
       ``[ProbeBlock]``; the name is the probe's path.
     """
+    return blocks_of(probe_variables(model))
+
+
+def probe_variables(model: nnx.Module) -> list[tuple[str, Probe]]:
+    """``[(path name, Probe variable)]`` of ``model``, in graph order: kept, the variables are
+    read again after each call without walking the graph (``blocks_of``)."""
+    return [(path_name(p), n) for p, n in nnx.iter_graph(model) if isinstance(n, Probe)]
+
+
+def blocks_of(probes: list[tuple[str, Probe]]) -> list[ProbeBlock]:
+    """``probe_blocks`` of the variables ``probe_variables`` listed, read now."""
     out = []
-    for path, node in nnx.iter_graph(model):
-        if not isinstance(node, Probe):
-            continue
-        name = path_name(path)
+    for name, node in probes:
         leaves = jax.tree_util.tree_leaves(node.get_value())
         rows = [jnp.reshape(jnp.asarray(v, jnp.float32), (-1, NUM_STATS)) for v in leaves]
         if len(rows) == 1 and jnp.ndim(leaves[0]) == 1:

@@ -155,6 +155,37 @@ def test_bad_arguments_are_value_errors_naming_them(kw, field):
         decode.generate(_model(), step, jnp.zeros((B,), jnp.int32), **args)
 
 
+def test_misuse_is_a_value_error_at_the_first_token():
+    """newuser38: these failed deep in flax, or (a ``jax.jit`` step, which does not write the
+    model's cache back) decoded wrong tokens silently."""
+    zero = jnp.zeros((B,), jnp.int32)
+    with pytest.raises(ValueError, match="did not update the model's KV cache"):
+        decode.generate(_model(), jax.jit(step), zero, 2)
+    with pytest.raises(ValueError, match="pick must return integer tokens"):
+        decode.generate(_model(), step, zero, 2, pick=lambda logits: jnp.argmax(logits))
+    with pytest.raises(ValueError, match="step_fn must return"):
+        decode.generate(_model(), lambda m, tok: (m(tok), None)[1], zero, 2)
+    with pytest.raises(ValueError, match="token must be integer"):
+        decode.generate(_model(), step, jnp.zeros((B,)), 2)
+
+
+def test_a_failure_at_the_first_token_and_a_raising_step_leave_the_model_at_fast():
+    model = _model()
+    model.emb.embedding[...] = model.emb.embedding[...].at[0].set(jnp.nan)
+    with pytest.raises(decode.DecodeError) as info:
+        decode.generate(model, step, jnp.zeros((B,), jnp.int32), 3)
+    assert info.value.step == 0 and info.value.tokens.shape == (B, 0)
+    assert all(int(v.get_value()) == 0 for v in nan2safe.site.site_gears(model).values())
+
+    def broken_pick(logits):
+        raise RuntimeError("the sampler failed")
+
+    model = _model(bad_scale=1e5)
+    with pytest.raises(RuntimeError, match="sampler"):
+        decode.generate(model, step, jnp.full((B,), 7, jnp.int32), 3, pick=broken_pick)
+    assert all(int(v.get_value()) == 0 for v in nan2safe.site.site_gears(model).values())
+
+
 def test_a_model_without_sites_is_told_to_convert():
     with pytest.raises(ValueError, match="convert"):
         decode.generate(_model(convert=False), step, jnp.zeros((B,), jnp.int32), 2)
