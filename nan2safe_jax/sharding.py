@@ -712,7 +712,16 @@ def shard_batch(batch: T, rules: Rules) -> T:
             return jax.device_put(x, rules.replicated)
         # Global shape: the local rows times the number of processes the data axis spans.
         sharding = NamedSharding(rules.mesh, PartitionSpec(rules.data_axis))
-        return jax.make_array_from_process_local_data(sharding, x)
+        try:
+            return jax.make_array_from_process_local_data(sharding, x)
+        except ValueError as err:  # JAX's IndivisibleError names a global size no one passed
+            raise ValueError(
+                f"process {jax.process_index()} passed a batch leaf of {x.shape[0]} rows "
+                f"(shape {x.shape}), which its {jax.local_device_count()} devices cannot "
+                f"split: every process must pass the same number of rows each step, a multiple "
+                "of its devices (drop a last short batch); the other processes wait in the "
+                f"step's collective until jax.distributed stops them ({err})"
+            ) from err
 
     return jax.tree_util.tree_map(one, batch)
 

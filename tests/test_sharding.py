@@ -374,6 +374,20 @@ def _scenario_four(out: Path) -> dict:
     res["resumed_devices"] = len(jax.tree_util.tree_leaves(tr.state.params)[0].sharding.device_set)
     hist = tr.fit([(x[0], y[0])] * 2, steps=2)
     res["resumed_fit_finite"] = [h["finite"] for h in hist]
+    # A process whose batch its devices cannot split (a last short batch, newuser37): JAX's
+    # IndivisibleError named a global size no process passed; the error names the rows. The
+    # multi-process branch of shard_batch is taken with process_count patched (4 devices: 3
+    # rows cannot split).
+    real = jax.process_count
+    jax.process_count = lambda: 2
+    try:
+        dp4 = sharding.data_parallel(sharding.make_mesh((4,), ("data",)))
+        sharding.shard_batch({"x": np.zeros((3, 4), np.float32)}, dp4)
+        res["short_batch"] = None
+    except ValueError as err:
+        res["short_batch"] = str(err)
+    finally:
+        jax.process_count = real
     return res
 
 
@@ -518,6 +532,8 @@ def test_checkpoint_from_8_devices_restores_on_a_1x4_mesh(runs):
     assert four["resume"] and four["resume"][0]["from_step"] == 10
     assert four["resumed_devices"] == 4 and four["resumed_replicated"]
     assert four["resumed_fit_finite"] == [True, True]
+    said = four["short_batch"]
+    assert said and "passed a batch leaf of 3 rows" in said and "same number of rows" in said
 
 
 # ----------------------------------------------------------------- one device, in process
