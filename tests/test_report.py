@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 import types
 import warnings
 from pathlib import Path
@@ -224,7 +225,9 @@ def test_the_work_a_resume_ran_again_is_counted_once(tmp_path):
     counted the save that never finished."""
     with R.EventLog(tmp_path) as log:
         for s_ in range(9):
-            log.log_metrics({"step": s_, "loss": 1.0, "time": 10.0 + s_})
+            bad = s_ == 7
+            log.log_metrics({"step": s_, "loss": math.nan if bad else 1.0, "skipped": bad})
+        time.sleep(0.01)  # the records and events are told apart by their times
         log.append("checkpoint", 6)
 
         def fault():
@@ -236,13 +239,19 @@ def test_the_work_a_resume_ran_again_is_counted_once(tmp_path):
         fault()  # the killed process: its checkpoint 9 never finished
         log.append("resume", 6, from_step=6)
         log.append("error", 9, detail="1 checkpoint save(s) never finished (steps [9])")
+        time.sleep(0.01)
         for s_ in range(6, 10):
-            log.log_metrics({"step": s_, "loss": 1.0, "time": 30.0 + s_})
+            bad = s_ == 7
+            log.log_metrics({"step": s_, "loss": math.nan if bad else 1.0, "skipped": bad})
+        log.log_metrics({"step": 7, "loss": 1.0, "skipped": False})  # a rollback's re-run
         fault()
     s = R.summary(tmp_path)
     assert (s["incidents_located"], s["downshifts"], s["safe_entries"]) == (1, 1, 1)
     assert [i["step"] for i in s["incidents"]] == [7]
     assert (s["checkpoints"], s["resumes"], s["errors"]) == (2, 1, 1)
+    # step 7 ran twice, not three times: the killed run's record is re-run work (newuser37);
+    # the rollback's replay of it is a run of its own, and finite
+    assert (s["skipped"], s["nonfinite_losses"]) == (1, 1)
     assert s["lost_to_resume"] == {"checkpoint": 1, "downshift": 1, "locate": 1, "safe_enter": 1}
     from rich.console import Console
 

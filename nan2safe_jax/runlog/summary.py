@@ -145,6 +145,29 @@ def summary(workdir: str | os.PathLike) -> dict[str, Any]:
     return _summarize(_load(workdir))
 
 
+def _step_runs(raw: list[dict], events: list[dict]) -> list[dict]:
+    """The metric records that each stand for one run of a step. A run killed and resumed from
+    checkpoint ``R`` logs steps ``R, R+1, ...`` again (newuser37: one skipped step counted as
+    two): a record logged before a ``resume`` event at step ``R`` (by ``time``), for step ``R``
+    or later, whose step the resumed run logs again, is that re-run work. A rollback runs its
+    steps again on purpose, and each run counts."""
+    resumes = [
+        (float(e["time"]), int(e["step"]))
+        for e in events
+        if e.get("type") == "resume" and isinstance(e.get("time"), (int, float))
+    ]
+    if not resumes:
+        return raw
+    lost: set[int] = set()
+    for t_r, r in resumes:
+        again = {x.get("step") for x in raw if _as_float(x.get("time")) > t_r}
+        for i, x in enumerate(raw):
+            t, step = _as_float(x.get("time")), x.get("step")
+            if t < t_r and isinstance(step, (int, float)) and step >= r and step in again:
+                lost.add(i)
+    return [x for i, x in enumerate(raw) if i not in lost]
+
+
 def _failed_saves(events: list[dict]) -> list[dict]:
     """The ``checkpoint`` events whose write failed: each one the last logged for its step
     before an ``error`` event naming that step's checkpoint (``failed_checkpoint``). The event
@@ -175,8 +198,9 @@ def _summarize(run: _Run) -> dict[str, Any]:
     has_skip_field = any("skipped" in r for r in run.records)
     # Counted over every record, not only the last of each step: a step re-run after a
     # rollback was skipped (and its loss non-finite) the first time all the same.
-    skipped_runs = sum(1 for r in raw if bool(r.get("skipped", False)))
-    nonfinite_runs = sum(1 for r in raw if not math.isfinite(_as_float(r.get("loss"))))
+    runs = _step_runs(raw, events + run.lost)
+    skipped_runs = sum(1 for r in runs if bool(r.get("skipped", False)))
+    nonfinite_runs = sum(1 for r in runs if not math.isfinite(_as_float(r.get("loss"))))
     incidents = []
     for e in events:
         if e.get("type") != "locate":
