@@ -11,18 +11,14 @@ first gradient (review22).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-from tiny_models import LLVM_O0
+from tiny_models import run_on_devices
 
 from nan2safe_jax.manual_axes import cotangents_like, varying_axes
 
-ROOT = Path(__file__).resolve().parents[1]
 OPS = ("rms_norm", "layer_norm", "softmax", "linear")
 
 
@@ -34,19 +30,7 @@ def test_outside_shard_map_cotangents_are_unchanged():
 
 
 def test_geared_ops_differentiate_in_shard_map_with_a_replicated_weight():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=2 {LLVM_O0}"
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, __file__, "run"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_on_devices(__file__, 2, "run")
     assert sorted(out) == sorted(f"{op}/{g}/{t}" for op in OPS for g in (0, 1, 2) for t in "ts")
     bad = {k: v for k, v in out.items() if v > 1e-5}
     assert not bad, bad

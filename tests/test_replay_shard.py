@@ -8,31 +8,14 @@ and the report names the primitive, its line, the kind and the shard / device.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from tiny_models import LLVM_O0
-
-ROOT = Path(__file__).resolve().parents[1]
+from tiny_models import run_on_devices
 
 
 def _run() -> dict:
-    env = dict(os.environ)
     # LLVM at -O0: less compile time; where a NaN or inf first appears does not depend on it
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {LLVM_O0}"
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, __file__, "run"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_on_devices(__file__, 8, "run")
 
 
 def _line(marker: str) -> int:

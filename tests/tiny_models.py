@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +29,25 @@ LLVM_O0 = "--xla_backend_optimization_level=0"
 jit_llvm_default = functools.partial(
     jax.jit, compiler_options={"xla_backend_optimization_level": 3}
 )
+
+
+def run_on_devices(script: str, devices: int, *args: str, timeout: int = 600) -> dict:
+    """Runs ``python script *args`` with ``devices`` simulated CPU devices (LLVM at -O0) from
+    the repository root, and returns the JSON of its last stdout line. The main pytest process
+    imported JAX with one device, so a multi-device test runs its body in such a subprocess."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {LLVM_O0}"
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, script, *args],
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def set_fast_only(module: nnx.Module) -> nnx.Module:
