@@ -119,6 +119,17 @@ def _judge(logits: Any, probe_values: list, det: Any, cfg: Config):
     return head, risk.per_probe, new_det
 
 
+def _variables(model: nnx.Module) -> tuple[list, list]:
+    """``(every variable but the parameters, the probes)`` of ``model``: what a rolled-back
+    token restores (the cache, its index, RNG counters, sown values) and what the detector
+    reads. The step updates these same variables in place."""
+    state = [
+        v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)
+        and not isinstance(v, nnx.Param)
+    ]  # fmt: skip
+    return state, site_lib.probe_variables(model)
+
+
 def _cache_leaves(model: nnx.Module) -> list:
     return jax.tree_util.tree_leaves(nnx.state(model, nnx.Cache))
 
@@ -201,14 +212,8 @@ def generate(
         raise ValueError(f"token must be integer token ids, got {token.dtype}")
     run = _jitted(step_fn)
     gear_vars = list(site_lib.site_gears(model).values())
-    probe_vars = site_lib.probe_variables(model)
-    # What a rolled-back token restores: every variable but the parameters (the cache, its
-    # index, RNG counters), listed once; the step updates these same variables in place.
-    state_vars = [
-        v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)
-        and not isinstance(v, nnx.Param)
-    ]  # fmt: skip
-    gear, calm_run, det = int(Gear.FAST), 0, None
+    state_vars, probe_vars = _variables(model)
+    gear, calm_run, det, seen = int(Gear.FAST), 0, None, None
     tokens, gears, risks, events = [], [], [], []
     _set(gear_vars, gear)
     try:
@@ -218,10 +223,15 @@ def generate(
             while True:
                 logits = run(model, token)
                 _check_logits(logits)
+                probe_vars = site_lib.probe_variables(model) if t == 0 else probe_vars
                 values = [v.get_value() for _, v in probe_vars]
-                if det is None:
+                layout = [(n, [np.shape(x) for x in jax.tree_util.tree_leaves(v)]) for n, v in
+                          zip((n for n, _ in probe_vars), values, strict=True)]  # fmt: skip
+                if det is None or layout != seen:  # a sown probe's rows can change
+                    seen = layout
                     names = tuple(n for b in site_lib.blocks_of(probe_vars) for n in b.names)
-                    det = detector_lib.DetectorState.create(names)
+                    if det is None or det.names != names:
+                        det = detector_lib.DetectorState.create(names)
                 head, per_probe, judged = _judge(logits, values, det, cfg)
                 finite, r, calm = np.asarray(head).tolist()
                 if finite:
@@ -240,6 +250,9 @@ def generate(
                 gear, calm_run = gear + 1, 0
                 _set(gear_vars, gear)
             det = judged
+            # A call can add variables (a sown probe, an nnx.Intermediate): listed again for the
+            # next token's snapshot and probes, one walk of the graph per token.
+            state_vars, probe_vars = _variables(model)
             next_token = pick(logits)
             if t == 0:
                 _check_first(model, cache_before, token, next_token)

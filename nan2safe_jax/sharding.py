@@ -715,12 +715,14 @@ def shard_batch(batch: T, rules: Rules) -> T:
         try:
             return jax.make_array_from_process_local_data(sharding, x)
         except ValueError as err:  # JAX's IndivisibleError names a global size no one passed
+            if type(err).__name__ != "IndivisibleError":
+                raise
             raise ValueError(
                 f"process {jax.process_index()} passed a batch leaf of {x.shape[0]} rows "
-                f"(shape {x.shape}), which its {jax.local_device_count()} devices cannot "
-                f"split: every process must pass the same number of rows each step, a multiple "
-                "of its devices (drop a last short batch); the other processes wait in the "
-                f"step's collective until jax.distributed stops them ({err})"
+                f"(shape {x.shape}), which the data shards on its devices cannot split evenly: "
+                "every process must pass the same number of rows each step, a multiple of its "
+                "data shards (drop a last short batch); the other processes wait in the step's "
+                f"collective until jax.distributed stops them ({err})"
             ) from err
 
     return jax.tree_util.tree_map(one, batch)

@@ -144,6 +144,45 @@ def test_a_probe_near_the_limit_moves_the_next_tokens_up_before_anything_is_non_
     assert got.risk[3] == 1.0 and got.events[0]["probes"] == ["attn.probe_logits"]
 
 
+class SownProbe(Decoder):
+    """A probe sown during the call (``site.Probe``), near the fp16 limit at every token."""
+
+    def __call__(self, token):
+        x = self.emb(token)[:, None, :]
+        h = x + self.attn(x)
+        big = h * 6e4 / jnp.max(jnp.abs(h))
+        keep_last = dict(reduce_fn=lambda a, b: b, init_fn=lambda: jnp.zeros(()))
+        self.sow(nan2safe.site.Probe, "hprobe", nan2safe.probe.stats(big), **keep_last)
+        return self.out(h)[:, -1]
+
+
+class SownWeights(Decoder):
+    def __call__(self, token):
+        x = self.emb(token)[:, None, :]
+        return self.out(x + self.attn(x, sow_weights=True))[:, -1]
+
+
+def test_variables_a_call_creates_are_probed_and_rolled_back():
+    """review23: the variables were listed before the first token, when a module's sown ones
+    do not exist yet. A sown probe was never scored, and a rolled-back token's sown attention
+    weights stayed (one entry too many)."""
+    model = nan2safe.nn.convert(SownProbe(nnx.Rngs(0)))
+    model.attn.init_cache((B, L, D), dtype=F16)
+    got = decode.generate(model, step, jnp.zeros((B,), jnp.int32), 3)
+    assert got.events == [{"type": "downshift", "step": 0, "risk": 1.0, "probes": ["hprobe"]}]
+
+    model = SownWeights(nnx.Rngs(0))
+    model.emb.embedding[...] = model.emb.embedding[...].at[7].multiply(1e5)
+    model = nan2safe.nn.convert(model)
+    model.attn.init_cache((B, L, D), dtype=F16)
+    got = decode.generate(model, step, jnp.zeros((B,), jnp.int32), 5, pick=_scripted())
+    assert [e["type"] for e in got.events] == ["rollback"]
+    sown = jax.tree_util.tree_leaves(
+        nnx.state(model, nnx.Intermediate), is_leaf=lambda x: isinstance(x, tuple)
+    )
+    assert [len(x) for x in sown] == [5]  # one per token decoded, none of the rejected try
+
+
 @pytest.mark.parametrize(
     "kw, field",
     [({"steps": -1}, "steps"), ({"cfg": {"window": 3}}, "cfg")],
