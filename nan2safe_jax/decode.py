@@ -123,11 +123,13 @@ def _variables(model: nnx.Module) -> tuple[list, list]:
     """``(every variable but the parameters, the probes)`` of ``model``: what a rolled-back
     token restores (the cache, its index, RNG counters, sown values) and what the detector
     reads. The step updates these same variables in place."""
-    state = [
-        v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)
-        and not isinstance(v, nnx.Param)
-    ]  # fmt: skip
-    return state, site_lib.probe_variables(model)
+    state, probes = [], []
+    for path, v in nnx.iter_graph(model):  # one walk for both (site.probe_variables' order)
+        if isinstance(v, nnx.Variable) and not isinstance(v, nnx.Param):
+            state.append(v)
+            if isinstance(v, site_lib.Probe):
+                probes.append((site_lib.path_name(path), v))
+    return state, probes
 
 
 def _cache_leaves(model: nnx.Module) -> list:
