@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from nan2safe_jax import detector as detector_lib
-from nan2safe_jax import probe as probe_lib
+from nan2safe_jax import numerics
 from nan2safe_jax import site as site_lib
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear
@@ -96,25 +96,12 @@ def _set(gear_vars: list, gear: int) -> None:
         var.set_value(jnp.full(jnp.shape(value), int(gear), jnp.int32))
 
 
-def _rows(values: list) -> jax.Array:
-    """The probes' statistics as one ``f32[P, NUM_STATS]``, in ``site.blocks_of``'s row order
-    (a probe with no rows adds none)."""
-    rows = [
-        jnp.reshape(jnp.asarray(leaf, jnp.float32), (-1, probe_lib.NUM_STATS))
-        for value in values
-        for leaf in jax.tree_util.tree_leaves(value)
-    ]
-    return jnp.concatenate(rows) if rows else jnp.zeros((0, probe_lib.NUM_STATS), jnp.float32)
-
-
 @functools.partial(jax.jit, static_argnums=3)
 def _judge(logits: Any, probe_values: list, det: Any, cfg: Config):
     """One token's verdict in one program: ``(f32[3] [finite, risk, calm], per-probe risk,
     the detector folded)``; the caller keeps the detector only for an accepted token."""
-    finite = jnp.all(
-        jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(logits)])
-    )
-    new_det, risk = detector_lib.update(det, _rows(probe_values), cfg)
+    finite = numerics.all_finite(logits)
+    new_det, risk = detector_lib.update(det, site_lib.stacked_rows(probe_values), cfg)
     head = jnp.stack([finite, risk.risk, risk.calm]).astype(jnp.float32)
     return head, risk.per_probe, new_det
 

@@ -272,12 +272,24 @@ def probe_variables(model: nnx.Module) -> list[tuple[str, Probe]]:
     return [(path_name(p), n) for p, n in nnx.iter_graph(model) if isinstance(n, Probe)]
 
 
+def _rows_of(value) -> tuple[list, list[jax.Array]]:
+    """A probe variable's value as ``(leaves, rows)``: each leaf as ``f32[-1, NUM_STATS]``."""
+    leaves = jax.tree_util.tree_leaves(value)
+    return leaves, [jnp.reshape(jnp.asarray(v, jnp.float32), (-1, NUM_STATS)) for v in leaves]
+
+
+def stacked_rows(values: list) -> jax.Array:
+    """The rows of ``blocks_of``'s blocks stacked, ``f32[P, NUM_STATS]``, from the probe
+    variables' values (traceable: a jitted caller reads the variables, then stacks inside)."""
+    rows = [r for value in values for r in _rows_of(value)[1]]
+    return jnp.concatenate(rows) if rows else jnp.zeros((0, NUM_STATS), jnp.float32)
+
+
 def blocks_of(probes: list[tuple[str, Probe]]) -> list[ProbeBlock]:
     """``probe_blocks`` of the variables ``probe_variables`` listed, read now."""
     out = []
     for name, node in probes:
-        leaves = jax.tree_util.tree_leaves(node.get_value())
-        rows = [jnp.reshape(jnp.asarray(v, jnp.float32), (-1, NUM_STATS)) for v in leaves]
+        leaves, rows = _rows_of(node.get_value())
         if len(rows) == 1 and jnp.ndim(leaves[0]) == 1:
             out.append(ProbeBlock((name,), rows[0]))
             continue

@@ -6,7 +6,7 @@ import dataclasses
 import math
 import os
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -70,21 +70,36 @@ def split_lost(events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list
     Returns:
       ``(standing, lost)``, each in file order.
     """
-    lost_ids: set[int] = set()
-    for i, e in enumerate(events):
-        if e.get("type") != "resume":
-            continue
-        r = e["step"]
-        again = {(x.get("type"), x["step"]) for x in events[i + 1 :]}
-        for before in events[:i]:
-            kind = before.get("type")
-            if kind == "resume":  # each start stands, one after another at one step too
-                continue
-            after = before["step"] > r or (before["step"] == r and kind != "checkpoint")
-            if after and (kind, before["step"]) in again:
-                lost_ids.add(id(before))
-    standing = [e for e in events if id(e) not in lost_ids]
-    return standing, [e for e in events if id(e) in lost_ids]
+    resumes = [
+        (lambda j, i=i: j - i, e["step"]) for i, e in enumerate(events) if e.get("type") == "resume"
+    ]
+
+    def counts(x: dict, r: int) -> bool:
+        kind = x.get("type")
+        if kind == "resume":  # each start stands, one after another at one step too
+            return False
+        return x["step"] > r or (x["step"] == r and kind != "checkpoint")
+
+    lost = _ran_again(events, resumes, lambda x: (x.get("type"), x["step"]), counts)
+    standing = [e for i, e in enumerate(events) if i not in lost]
+    return standing, [e for i, e in enumerate(events) if i in lost]
+
+
+def _ran_again(
+    items: list[dict],
+    resumes: list[tuple[Callable[[int], float], int]],
+    key: Callable[[dict], Any],
+    counts: Callable[[dict, int], bool],
+) -> set[int]:
+    """Indices of ``items`` that a resume ran again. For each resume ``(side, R)``
+    (``side(i)``: below 0 for an item logged before it, above 0 for one after), an item logged
+    before it that ``counts(item, R)`` (its step is ``R`` or later) and whose ``key`` an item
+    logged after it has again is re-run work."""
+    lost: set[int] = set()
+    for side, r in resumes:
+        again = {key(x) for i, x in enumerate(items) if side(i) > 0}
+        lost |= {i for i, x in enumerate(items) if side(i) < 0 and counts(x, r) and key(x) in again}
+    return lost
 
 
 def _report_of(event: Mapping[str, Any]) -> dict[str, Any]:
@@ -151,20 +166,17 @@ def _step_runs(raw: list[dict], events: list[dict]) -> list[dict]:
     two): a record logged before a ``resume`` event at step ``R`` (by ``time``), for step ``R``
     or later, whose step the resumed run logs again, is that re-run work. A rollback runs its
     steps again on purpose, and each run counts."""
+    times = [_as_float(x.get("time")) for x in raw]
     resumes = [
-        (float(e["time"]), int(e["step"]))
+        (lambda j, t_r=float(e["time"]): times[j] - t_r, int(e["step"]))
         for e in events
         if e.get("type") == "resume" and isinstance(e.get("time"), (int, float))
     ]
-    if not resumes:
-        return raw
-    lost: set[int] = set()
-    for t_r, r in resumes:
-        again = {x.get("step") for x in raw if _as_float(x.get("time")) > t_r}
-        for i, x in enumerate(raw):
-            t, step = _as_float(x.get("time")), x.get("step")
-            if t < t_r and isinstance(step, (int, float)) and step >= r and step in again:
-                lost.add(i)
+
+    def counts(x: dict, r: int) -> bool:
+        return isinstance(x.get("step"), (int, float)) and x["step"] >= r
+
+    lost = _ran_again(raw, resumes, lambda x: x.get("step"), counts)
     return [x for i, x in enumerate(raw) if i not in lost]
 
 
