@@ -186,6 +186,21 @@ def test_where_sqrt_gradient_blames_forward_sqrt(dtype):
     assert r.diagnosis == "log/sqrt domain"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_gather_past_the_vocabulary_is_an_index_out_of_range(dtype):
+    """A label past the classes: the gather fills NaN, which is the data's fault, said so (it
+    read "other" and a user's own loop put the model in SAFE for it)."""
+
+    def f(logits, labels):
+        return jnp.take_along_axis(logits, labels[:, None], axis=-1).sum()  # FAULT:gather
+
+    logits = jnp.linspace(-1, 1, 4 * 8).reshape(4, 8).astype(dtype)
+    labels = jnp.asarray([1, 100, 3, 7], jnp.int32)
+    r = _check(f, (logits, labels), "gather", "gather", "nan")
+    assert r.diagnosis == "index out of range", str(r)
+    assert "max 100" in r.explanation and "(4, 8)" in r.explanation, r.explanation
+
+
 # --------------------------------------------------------------------------------------------
 # higher-order forms
 

@@ -22,6 +22,7 @@ DIAGNOSES = (
     "polluted input",
     "damaged state",
     "constant",
+    "index out of range",
     "other",
 )
 NOT_REPRODUCIBLE = "not reproducible: suspect hardware or non-determinism"
@@ -314,6 +315,17 @@ def diagnose(
                     "entry is -inf (a fully masked softmax row: its max is -inf, x - max is NaN, "
                     "then exp/sum give 0/0)"
                 )
+    if primitive == "gather" and kind == "nan" and len(in_stats) >= 2:
+        # A gather only copies values: NaN from a finite operand is JAX's fill for indices
+        # past the end of the axis (negative ones wrap around, and fill nothing).
+        lo, hi = in_stats[1].get("min"), in_stats[1].get("max")
+        span = "" if lo is None or hi is None else f" (min {lo:g}, max {hi:g})"
+        return "index out of range", (
+            f"gather filled {n_bad} value(s) with NaN: its indices{span} reach past the axis "
+            f"of the operand {tuple(np.shape(invals[0]))}, e.g. a label or token id outside "
+            "the vocabulary (data, not the model: nan2safe.incidents.decide names the batch "
+            "leaf and rows)"
+        )
     if primitive in ("rsqrt",) and kind == "inf":
         return "division by ~0", (
             f"rsqrt of {n_bad} value(s) at or near zero "
