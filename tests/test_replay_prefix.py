@@ -165,10 +165,33 @@ def test_the_fidelity_check_compares_the_outputs_the_prefix_computed():
     r, sess = _run(closed, (w, x), good)
     assert sess.prefix_decided and r.reproducible and r.primitive == "log"
     bad = good.copy()
-    bad[1] = 0  # production said the loss (output 1, computed in the forward) was finite
+    bad[1] = 1  # production said the loss (output 1, computed in the forward) was inf
     r, sess = _run(closed, (w, x), bad)
     assert sess.prefix_decided and not r.reproducible and r.primitive is None
-    assert "output 1 is nan in the replay but finite in production" in r.reason
+    assert "output 1 is nan in the replay but inf in production" in r.reason
+
+
+@pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "whole_step"])
+def test_an_output_only_the_replay_makes_non_finite_is_the_same_fault(prefix):
+    """XLA's fused step can drop a NaN the replay's pieces keep (a max-pooled BatchNorm of a
+    zero-variance batch: the loss finite, its gradients NaN); the replay then names the first
+    value as it should, and says production lost it, where every such step read "transient"."""
+
+    def loss(w, x):
+        return jnp.sqrt(x @ w).sum()  # NaN at a negative row, and so is its gradient
+
+    step = _step(loss)
+    w, x = jnp.ones((3, 2)), jnp.ones((4, 3)).at[1].set(-1.0)
+    closed = jax.make_jaxpr(step)(w, x)
+    new_w, value = step(w, x)
+    assert np.isnan(np.asarray(new_w)).any() and np.isnan(np.asarray(value))
+    lost = np.asarray([2, 0], np.int8)  # as production: new weights NaN, the loss finite
+    r, _ = locate_mod._run(closed, (w, x), lost, prefix=prefix)
+    assert r.reproducible and r.primitive == "sqrt", str(r)
+    assert "production's compiled step kept output(s) [1] finite" in r.explanation
+    # a production step with no non-finite output at all is still not reproduced
+    r, _ = locate_mod._run(closed, (w, x), np.zeros(2, np.int8), prefix=prefix)
+    assert not r.reproducible and "is nan in the replay but finite in production" in r.reason
 
 
 # ------------------------------------------------------------------------------ scan bodies

@@ -190,11 +190,22 @@ def _not_reproducible(why: str, sess: Session, t0: float) -> Report:
     )
 
 
-def _mismatch(expected: np.ndarray, got: np.ndarray, index: np.ndarray | None = None) -> str | None:
+def _mismatch(
+    expected: np.ndarray, got: np.ndarray, index: np.ndarray | None = None, failed: bool = False
+) -> str | None:
     """Why the replay's output codes differ from the production step's, or None if they agree.
 
-    ``index``: the outputs ``expected`` and ``got`` stand for (all of them when None)."""
-    bad = np.nonzero(np.asarray(expected) != np.asarray(got))[0]
+    ``index``: the outputs ``expected`` and ``got`` stand for (all of them when None).
+    ``failed``: production had a non-finite output (among all of them). Then an output only the
+    replay makes non-finite is no mismatch: XLA's fused step may drop a NaN that the replay's
+    separately compiled pieces keep (a ``max`` or a pooling window that skips it, a ``0 * x``
+    folded away), so the replay sees the fault's first value where production's own outputs
+    lost it. Every output production made non-finite must come out alike."""
+    expected, got = np.asarray(expected), np.asarray(got)
+    differ = expected != got
+    if failed:
+        differ &= expected != 0
+    bad = np.nonzero(differ)[0]
     if not len(bad):
         return None
     i = int(bad[0]) if index is None else int(np.asarray(index)[bad[0]])
@@ -203,6 +214,19 @@ def _mismatch(expected: np.ndarray, got: np.ndarray, index: np.ndarray | None = 
         f"the replay does not reproduce the production step: output {i} is "
         f"{_CODE_NAMES[int(got[bad_i])]} in the replay but {_CODE_NAMES[int(expected[bad_i])]} in "
         f"production ({len(bad)} of {len(expected)} outputs differ)"
+    )
+
+
+def _only_in_replay(expected: np.ndarray, got: np.ndarray, index=None) -> str | None:
+    """The explanation's note for outputs the replay made non-finite and production did not."""
+    extra = np.nonzero((np.asarray(expected) == 0) & (np.asarray(got) != 0))[0]
+    if not len(extra):
+        return None
+    outs = [int(i) if index is None else int(np.asarray(index)[i]) for i in extra]
+    return (
+        f"; production's compiled step kept output(s) {outs[:8]} finite, which the replay did "
+        "not (XLA's fused program dropped a non-finite value, e.g. a max or pooling window that "
+        "skips NaN): the fault is the same, production lost its trace"
     )
 
 
@@ -220,12 +244,15 @@ def _locate(
 
     if fl.in_codes is not None and fl.in_codes.any():
         return _polluted(sess, leaves_with_path, int(np.nonzero(fl.in_codes)[0][0]), t0)
-    why = None
+    why = note = None
+    failed = expected is not None and bool(np.asarray(expected).any())
     if expected is not None and fl.out_codes is not None:
-        why = _mismatch(expected, fl.out_codes)
+        why = _mismatch(expected, fl.out_codes, failed=failed)
+        note = _only_in_replay(expected, fl.out_codes)
     elif expected is not None and fl.prefix_outs is not None:  # the outputs the prefix computed
         idx, got = fl.prefix_outs
-        why = _mismatch(np.asarray(expected)[idx], got, idx)
+        why = _mismatch(np.asarray(expected)[idx], got, idx, failed=failed)
+        note = _only_in_replay(np.asarray(expected)[idx], got, idx)
     if why is not None:
         return _not_reproducible(why, sess, t0)
 
@@ -288,7 +315,7 @@ def _locate(
         channels=chans,
         channels_truncated=cut,
         diagnosis=diagnosis,
-        explanation=why,
+        explanation=why + (note or ""),
         replays=sess.replays,
         seconds=time.perf_counter() - t0,
         output_shape=tuple(np.shape(out)),
