@@ -34,6 +34,7 @@ import os
 from typing import Any
 
 import jax
+import jax.extend.core
 import numpy as np
 
 from nan2safe_jax import gear as gear_lib
@@ -275,6 +276,68 @@ _STEP_FILES = ("numerics.py", "train.py", "optax.py", "detector.py", "probe.py",
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+def _narrow(dtype) -> bool:
+    """A float whose range is narrower than bfloat16's and f32's (float16, the float8s)."""
+    if not jax.numpy.issubdtype(dtype, jax.numpy.floating):  # (a PRNG key's dtype too)
+        return False
+    return float(jax.numpy.finfo(dtype).max) < 1e38
+
+
+def _jaxprs_in(value):
+    """The jaxprs a primitive's parameter holds (a body, branches, a custom rule's jaxpr)."""
+    if isinstance(value, jax.extend.core.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, jax.extend.core.Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _jaxprs_in(v)
+
+
+def holds_narrow_float(jaxpr) -> bool:
+    """Whether any value of ``jaxpr`` (its inputs, every equation's outputs, in every nested
+    jaxpr) is a float16 or float8: the only dtypes whose gradients a loss scale keeps in range
+    (bfloat16 and f32 reach ~3.4e38)."""
+    stack, seen = [getattr(jaxpr, "jaxpr", jaxpr)], set()
+    while stack:
+        j = stack.pop()
+        if id(j) in seen:
+            continue
+        seen.add(id(j))
+        if any(_narrow(v.aval.dtype) for v in j.invars if hasattr(v.aval, "dtype")):
+            return True
+        for eqn in j.eqns:
+            if any(_narrow(v.aval.dtype) for v in eqn.outvars if hasattr(v.aval, "dtype")):
+                return True
+            for value in eqn.params.values():
+                stack.extend(_jaxprs_in(value))
+    return False
+
+
+def loss_scale_matters(step_fn, before, batch) -> bool:
+    """Whether the step computes any value in float16 or float8 (one trace, nothing run).
+
+    The train step takes a finite loss with non-finite gradients for the dynamic loss scale's
+    overflow: it halves the scale and skips, and only the 17th in a row is an incident. Where
+    no value is narrower than bfloat16 (an f32 or bf16 model), no scale keeps a gradient in
+    range that does not fit unscaled: such a step is a fault (a ``0/0`` in a backward rule, a
+    zero-variance norm whose NaN the compiled forward dropped), and tier 2 is due at once.
+
+    Args:
+      step_fn: the program that ran the step (``programs.program_for``).
+      before, batch: its arguments (only their shapes and dtypes are read).
+
+    Returns:
+      True when the loss scale can matter, and when the step cannot be traced (the step's own
+      rule then stands).
+    """
+    try:
+        return holds_narrow_float(jax.make_jaxpr(step_fn)(before, batch))
+    except Exception as err:  # noqa: BLE001 - a check that fails keeps the step's verdict
+        log.debug("loss_scale_matters: trace failed: %s", err)
+        return True
+
+
 def in_step_bookkeeping(report: Report) -> bool:
     """Whether the culprit is an equation of the train step's own bookkeeping (not a site's)."""
     path = (report.source or "").rsplit(":", 1)[0]
@@ -306,14 +369,21 @@ def unsited_hint(report: Report, sites, nearest: str | None = None) -> str:
         f"site{scope}: no gear reaches it"
     )
     if not sites:
-        text += " (the model has no sites at all)"
-    elif nearest is not None:
+        return text + (
+            " (the model has no sites at all). To make it downshiftable, run "
+            "nan2safe.nn.convert(model) if it is a flax layer convert has a site for (Linear, "
+            "LinearGeneral, Embed, LayerNorm, RMSNorm, MultiHeadAttention; its report lists the "
+            "layers it left alone, e.g. nnx.Conv), or wrap that code in "
+            "nan2safe.nn.Site(fast, safe=...)"
+        )
+    if nearest is not None:
         text += f"; the nearest site is {nearest!r}"
+    # The model has sites (it was converted, or has sites of its own): what is left is a
+    # layer convert has no site for, or the user's own code.
     return text + (
-        ". To make it downshiftable, run nan2safe.nn.convert(model) if it is a flax layer convert "
-        "has a site for (Linear, LinearGeneral, Embed, LayerNorm, RMSNorm, MultiHeadAttention; "
-        "its report lists the layers it left alone, e.g. nnx.Conv), or wrap that code in "
-        "nan2safe.nn.Site(fast, safe=...)"
+        ". To make it downshiftable, wrap that code in nan2safe.nn.Site(fast, safe=...) (a flax "
+        "layer with no nan2safe.nn counterpart, e.g. nnx.Conv or nnx.BatchNorm, is listed as "
+        "left alone in nan2safe.nn.convert's report)"
     )
 
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nan2safe_jax import compile_cache as compile_cache_lib
+from nan2safe_jax import gear as gear_lib
 from nan2safe_jax import incidents, programs
 from nan2safe_jax import optax as guard_lib
 from nan2safe_jax import sharding as sharding_lib
@@ -288,6 +289,7 @@ class Trainer:
         self.ring: collections.deque = collections.deque(maxlen=self.cfg.ring_size)
         self.incidents = 0
         self._polluted_streak = 0  # polluted batches in a row (``_stop_past_polluted_streak``)
+        self._scale_matters: dict = {}  # ``_loss_scale_matters``, per program and batch dtypes
         self.rollbacks = 0
         self._damaged_from: int | None = None  # checkpoint of the last "damaged" rollback
         self.spikes = SpikeWatch(self.cfg)
@@ -679,6 +681,8 @@ class Trainer:
           rollback, the learning rate back after a loss spike).
         """
         m = _host(done.metrics)
+        if m["overflow"] and not self._loss_scale_matters(done):
+            done = self._overflow_is_an_incident(done, m)
         m["time"] = time.time()
         m["safe_sites"] = [k for k, v in m["site_gears"].items() if np.max(v) >= Gear.SAFE]
         if done.replayed:
@@ -804,6 +808,30 @@ class Trainer:
         self._last_sites, self._last_level = m["site_gears"], m["gear"]
 
     # ------------------------------------------------------------------ tier 2
+
+    def _loss_scale_matters(self, done: _Step) -> bool:
+        """``incidents.loss_scale_matters`` for the program that ran ``done``, traced once per
+        program and batch dtypes (at the run's first overflow)."""
+        program = programs.program_for(self.step_fn, done.before)
+        leaves, treedef = jax.tree_util.tree_flatten(done.batch)
+        key = (id(program), treedef, tuple(str(getattr(x, "dtype", type(x))) for x in leaves))
+        if key not in self._scale_matters:
+            self._scale_matters[key] = incidents.loss_scale_matters(
+                program, done.before, done.batch
+            )
+        return self._scale_matters[key]
+
+    def _overflow_is_an_incident(self, done: _Step, m: dict) -> _Step:
+        """A finite loss with non-finite gradients in a step with no float16 or float8 value:
+        no loss scale saves it (the step took it for the scale's overflow). It is an incident,
+        as a non-finite loss is: the record says so, every gear goes one down as the step does
+        for one (FAST -> STABLE), and tier 2 runs now, not at the 17th in a row."""
+        m["overflow"], m["incident"] = False, True
+        gs = done.after.gear
+        if int(np.max(np.asarray(jax.device_get(gs.level)))) == int(Gear.FAST):
+            gs = gear_lib.set_level(gs, Gear.STABLE, self.cfg)
+            m["next_gear"] = max(int(np.max(m["next_gear"])), int(Gear.STABLE))
+        return dataclasses.replace(done, after=done.after.replace(gear=gs))
 
     def _incident(self, done: _Step, m: dict) -> _Restart | None:
         """Tier 2 for one failing step: decide, log, act. See ``nan2safe_jax.incidents``."""

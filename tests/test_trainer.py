@@ -443,6 +443,56 @@ def test_a_state_damaged_before_the_first_checkpoint_is_rolled_back_to_step_0(tm
         assert all(np.isfinite(h["loss"]) for h in hist if h.get("replay") or h["step"] > 2)
 
 
+@jax.custom_vjp
+def _gate(x):
+    return jnp.tanh(x)
+
+
+def _gate_fwd(x):
+    return jnp.tanh(x), x
+
+
+def _gate_bwd(x, g):
+    zero = (x - x).astype(g.dtype)
+    return (g * zero / zero,)  # FAULT:gate_bwd — 0/0 in the backward rule alone
+
+
+_gate.defvjp(_gate_fwd, _gate_bwd)
+
+
+class _GatedNet(nnx.Module):
+    def __init__(self, dtype, *, rngs):
+        self.lin = nnx.Linear(D, 1, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+    def __call__(self, x):
+        return _gate(self.lin(x))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_non_finite_gradients_at_a_finite_loss_are_an_overflow_only_where_a_scale_can_help(
+    tmp_path, dtype
+):
+    """A backward rule's 0/0 at a finite loss: in an fp16 model it reads as the loss scale's
+    overflow (skip, halve; tier 2 from the 17th in a row), which a scale may cure. In an f32 or
+    bf16 model no scale can, so it is an incident at once: tier 2 names the rule's division,
+    where it read "overflow" 17 times (an f32 scale halved 32768 -> 1) before anyone looked."""
+    trainer = Trainer(_GatedNet(dtype, rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path)
+    history = trainer.fit(_batches(1), steps=1)
+    trainer.close()
+    skips = [e for e in trainer.events if e["type"] == "skip"]
+    assert [e["step"] for e in skips] == [0]
+    locates = [e for e in trainer.events if e["type"] == "locate"]
+    if dtype == jnp.float16:
+        assert skips[0]["reason"] == "overflow" and not locates
+        assert history[0]["overflow"] and not history[0]["incident"]
+        return
+    assert skips[0]["reason"] == "incident" and history[0]["incident"]
+    assert not history[0]["overflow"] and history[0]["next_gear"] >= Gear.STABLE
+    (rep,) = [e["report"] for e in locates]
+    assert rep["primitive"] == "div" and rep["direction"] == "backward", rep
+    assert rep["diagnosis"] == "0/0" and rep["source"].startswith(__file__), rep
+
+
 def test_a_model_variable_that_overflows_is_located_and_the_model_safe_stay_logged_once(
     tmp_path,
 ):

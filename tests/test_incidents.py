@@ -1,0 +1,93 @@
+"""Tier 2's host decisions (``nan2safe_jax.incidents``): which steps a loss scale can save."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from nan2safe_jax import incidents
+
+
+def _grad_of(dtype, nest):
+    """``jax.grad`` of a small loss computing in ``dtype``, its ops nested as ``nest`` says."""
+
+    def core(w, x):
+        return jnp.tanh(x.astype(dtype) @ w.astype(dtype)).astype(jnp.float32).sum()
+
+    if nest == "scan":
+
+        def loss(w, x):
+            def body(c, xi):
+                return c + core(w, xi[None]), None
+
+            return lax.scan(body, jnp.float32(0), x)[0]
+
+    elif nest == "remat":
+        loss = jax.checkpoint(core)
+    elif nest == "cond":
+
+        def loss(w, x):
+            return lax.cond(x.sum() > 0, core, lambda w, x: jnp.float32(0), w, x)
+
+    else:
+        loss = core
+    return jax.jit(jax.grad(loss))
+
+
+@pytest.mark.parametrize("nest", ["flat", "scan", "remat", "cond"])
+@pytest.mark.parametrize(
+    "dtype, narrow",
+    [(jnp.float32, False), (jnp.bfloat16, False), (jnp.float16, True)]
+    + [(jnp.float8_e4m3fn, True), (jnp.float8_e5m2, True)],
+    ids=["f32", "bf16", "f16", "f8e4m3", "f8e5m2"],
+)
+def test_a_loss_scale_matters_only_where_a_value_is_narrower_than_bfloat16(dtype, narrow, nest):
+    """fp16 and fp8 gradients are what a loss scale keeps in range; bf16 and f32 reach ~3.4e38,
+    so a non-finite gradient there is a fault, however deep in the program the value is."""
+    w, x = jnp.ones((4, 3), jnp.float32), jnp.ones((2, 4), jnp.float32)
+    assert incidents.loss_scale_matters(_grad_of(dtype, nest), w, x) is narrow
+    assert incidents.holds_narrow_float(jax.make_jaxpr(_grad_of(dtype, nest))(w, x)) is narrow
+
+
+def test_a_prng_key_or_an_integer_is_no_float():
+    def f(key, n):
+        return jax.random.normal(key, (3,)) * n
+
+    jaxpr = jax.make_jaxpr(f)(jax.random.key(0), np.int32(2))
+    assert not incidents.holds_narrow_float(jaxpr)
+
+
+def test_a_step_that_cannot_be_traced_keeps_the_steps_own_rule():
+    def f(x, y):
+        raise RuntimeError("not traceable here")
+
+    assert incidents.loss_scale_matters(f, 1.0, 2.0) is True
+
+
+def _unsited(primitive="rsqrt", source="/home/u/model.py:17"):
+    base = incidents.Report.no_equation(
+        kind="inf",
+        inputs=[],
+        channels={},
+        diagnosis="division by ~0",
+        explanation="",
+        replays=1,
+        seconds=0.1,
+    )
+    return dataclasses.replace(base, primitive=primitive, source=source, user_source=source)
+
+
+@pytest.mark.parametrize("sites", [{}, {"head": ()}], ids=["no_sites", "converted"])
+def test_the_hint_for_a_culprit_outside_every_site_fits_the_model(sites):
+    """A model with no sites is told to run convert; a converted one (newuser40's CNN, whose
+    BatchNorm convert left alone) was told the same, and is now told what is left to do."""
+    hint = incidents.unsited_hint(_unsited(), sites, nearest="head" if sites else None)
+    assert "model.py:17" in hint and "outside every site" in hint
+    if sites:
+        assert "nearest site is 'head'" in hint and "nn.Site(" in hint
+        assert "run nan2safe.nn.convert" not in hint and "left alone" in hint
+    else:
+        assert "no sites at all" in hint and "run nan2safe.nn.convert(model)" in hint
