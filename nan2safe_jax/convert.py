@@ -440,11 +440,12 @@ def convert(
                 return value  # already a site (nan2safe.nn module, nn.Site)
             mod = type(value).__module__
             if mod.startswith("flax.nnx.nn."):
+                # Still gone through: flax's containers hold layers of their own (nnx.RNN's
+                # cell, an LSTMCell's eight nnx.Linear), which convert as any others.
                 left.append(
                     LeftAlone(name, type(value).__name__, "no nan2safe.nn counterpart (not a site)")
                 )
-                return value
-            if not mod.startswith("flax.") and _own_code(type(value), methods_only=True):
+            elif not mod.startswith("flax.") and _own_code(type(value), methods_only=True):
                 left.append(LeftAlone(name, type(value).__name__, _USER_CODE))
             if isinstance(value, nnx.List):
                 for i in range(len(value)):

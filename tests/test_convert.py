@@ -19,11 +19,12 @@ import optax
 import pytest
 from flax import nnx
 from jax import lax
-from tiny_models import jit_llvm_default
+from tiny_models import jit_llvm_default, set_fast_only
 
 import nan2safe_jax as nan2safe
 from nan2safe_jax import nn
 from nan2safe_jax.convert import ConvertReport
+from nan2safe_jax.site import path_name
 
 D, L, V, T = 8, 2, 11, 5
 GRAD_TOL = 1e-6  # relative to the largest gradient: traced gear (tests/test_nn_flax_compat.py)
@@ -290,3 +291,45 @@ def test_converted_model_trains_with_per_layer_gears(pair):
     state = nan2safe.TrainState.create(model, optax.sgd(0.1))
     assert state.gear.sites["blocks.attn"].shape == (L,)
     assert "blocks.attn.probe_logits[1]" in state.detector.names
+
+
+class _Recurrent(nnx.Module):
+    def __init__(self, cell, dtype, rngs):
+        make = {"lstm": nnx.LSTMCell, "gru": nnx.GRUCell, "simple": nnx.SimpleCell}[cell]
+        self.rnn = nnx.RNN(make(4, 8, dtype=dtype, param_dtype=jnp.float32, rngs=rngs))
+        self.head = nnx.Linear(8, 2, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.rnn(x)[:, -1])
+
+
+@pytest.mark.parametrize(
+    "cell, dtype",
+    [("lstm", jnp.float32), ("lstm", jnp.float16), ("gru", jnp.float32), ("gru", jnp.float16)]
+    + [("simple", jnp.float32)],  # (flax's fp16 SimpleCell does not run: its carry turns f32)
+    ids=["lstm-f32", "lstm-f16", "gru-f32", "gru-f16", "simple-f32"],
+)
+def test_the_layers_inside_flax_recurrent_cells_are_converted(cell, dtype):
+    """nnx.RNN and its cells have no site of their own, but their nnx.Linear layers do: they
+    were left as they were (only the head became a site, and the report named none of them),
+    which a user reads as a protected LSTM. FAST (the train step's FAST-only program) still
+    computes what flax computes, bit for bit."""
+    reference = _Recurrent(cell, dtype, nnx.Rngs(0))
+    model, report = nn.convert(nnx.clone(reference), return_report=True)
+    inner = {c.path for c in report.converted} - {"head"}
+    linears = {
+        path_name(p)
+        for p, m in nnx.iter_graph(reference)
+        if type(m) is nnx.Linear and path_name(p) != "head"
+    }
+    assert linears and inner == linears, (inner, linears)
+    left = {a.path: a.cls for a in report.left_alone}
+    assert left["rnn"] == "RNN" and left["rnn.cell"] == type(reference.rnn.cell).__name__
+    x = jax.random.normal(jax.random.key(1), (3, 5, 4)).astype(dtype)
+
+    def run(module):  # at XLA's default LLVM level, as the suite's other bit comparisons
+        graphdef, state = nnx.split(module)
+        return jit_llvm_default(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
+
+    fast = set_fast_only(nnx.clone(model))
+    np.testing.assert_array_equal(np.asarray(run(fast)), np.asarray(run(reference)))
