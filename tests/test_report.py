@@ -219,6 +219,11 @@ def test_summary_dedupes_rerun_steps_and_counts_what_the_first_run_skipped(tmp_p
     assert "1 re-run after a resume)" in console.export_text()
 
 
+def _span(workdir) -> float:
+    times = [r["time"] for r in R.read_metrics(workdir)]
+    return max(times) - min(times)
+
+
 def test_the_work_a_resume_ran_again_is_counted_once(tmp_path):
     """A run killed while checkpoint 9 was written resumes from checkpoint 6 and meets step 7's
     fault again: the report said 2 incidents, 2 downshifts, 2 SAFE entries (one fault), and
@@ -253,6 +258,8 @@ def test_the_work_a_resume_ran_again_is_counted_once(tmp_path):
     # the rollback's replay of it is a run of its own, and finite
     assert (s["skipped"], s["nonfinite_losses"]) == (1, 1)
     assert s["lost_to_resume"] == {"checkpoint": 1, "downshift": 1, "locate": 1, "safe_enter": 1}
+    # the time between the kill and the resume is no run's
+    assert s["wall_seconds"] < _span(tmp_path) - 0.009
     from rich.console import Console
 
     console = Console(record=True, width=140)
@@ -510,3 +517,17 @@ def test_cli_bench_without_a_name_and_locate_with_another_models_factory_say_so(
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "builds another state than the run saved at step 3" in err and "Traceback" not in err
+
+
+def test_the_final_loss_and_gear_are_the_newest_records_after_a_resume(tmp_path):
+    """A run killed at step 6 in SAFE resumed from checkpoint 4 and ended at step 5 at FAST:
+    the report read the killed run's step 6 (loss 2.278, SAFE) as final (newuser40)."""
+    with R.EventLog(tmp_path) as log:
+        for s_ in range(7):
+            log.log_metrics({"step": s_, "loss": 3.0 - 0.1 * s_, "gear": 2 if s_ > 4 else 0})
+        time.sleep(0.01)
+        log.append("resume", 4, from_step=4)
+        for s_ in (4, 5):
+            log.log_metrics({"step": s_, "loss": 2.25, "gear": 0})
+    s = R.summary(tmp_path)
+    assert (s["final_loss"], s["final_gear"]) == (2.25, 0)

@@ -236,6 +236,10 @@ def _summarize(run: _Run) -> dict[str, Any]:
             }
         )
     times = [t for t in (_as_float(r.get("time")) for r in raw) if math.isfinite(t)]
+    # The newest record written, not the highest step's: a run resumed from checkpoint R that
+    # ended before the killed one's last step has its own last loss and gear (newuser40 read
+    # the killed run's SAFE step as the final gear).
+    last = next((r for r in reversed(raw) if isinstance(r.get("step"), (int, float))), None)
     safe_sites = sorted(
         {
             "global" if e.get("site") is None else str(e["site"])
@@ -249,7 +253,7 @@ def _summarize(run: _Run) -> dict[str, Any]:
         "records": len(raw),
         "first_step": int(run.step[0]) if len(run.step) else None,
         "last_step": int(run.step[-1]) if len(run.step) else None,
-        "final_loss": float(run.loss[-1]) if len(run.loss) else None,
+        "final_loss": None if last is None else _as_float(last.get("loss")),
         "min_loss": float(finite.min()) if len(finite) else None,
         "nonfinite_losses": nonfinite_runs,
         "skipped": skipped_runs if has_skip_field else len(skip_events),
@@ -278,10 +282,26 @@ def _summarize(run: _Run) -> dict[str, Any]:
         "polluted_inputs": count("polluted_input"),
         "errors": count("error"),
         "lost_to_resume": dict(Counter(str(e.get("type")) for e in run.lost)),
-        "final_gear": int(run.gear[-1]) if len(run.gear) else None,
+        "final_gear": None if last is None else _as_int(last.get("gear", 0)),
         "seconds_per_step": _median_step_seconds(raw),
-        "wall_seconds": (max(times) - min(times)) if len(times) > 1 else None,
+        "wall_seconds": _wall_seconds(times, events),
     }
+
+
+def _wall_seconds(times: list[float], events: list[dict]) -> float | None:
+    """The time the run's processes spent logging: each process's span (the records between
+    two ``resume`` events, by time), summed, without the gaps between a kill and its resume."""
+    if len(times) < 2:
+        return None
+    cuts = sorted(
+        float(e["time"])
+        for e in events
+        if e.get("type") == "resume" and isinstance(e.get("time"), (int, float))
+    )
+    spans: dict[int, list[float]] = {}
+    for t in times:
+        spans.setdefault(int(np.searchsorted(cuts, t)), []).append(t)
+    return sum(max(ts) - min(ts) for ts in spans.values())
 
 
 def _counted(counts: Mapping[str, int]) -> str:
