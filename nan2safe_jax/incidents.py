@@ -195,6 +195,38 @@ def label_report(batch, where: str, rows: list[int], size: int) -> Report:
     )
 
 
+def empty_batch(batch) -> str | None:
+    """The first array leaf of ``batch`` when every one has 0 rows (an empty batch: a mean over
+    it is 0/0, the data's fault, not an op's), else None. PRNG keys and scalars are not rows."""
+    first, leaves = None, jax.tree_util.tree_flatten_with_path(batch)[0]
+    for path, leaf in leaves:
+        if _is_key(leaf) or np.ndim(leaf) == 0:
+            continue
+        if np.shape(leaf)[0] != 0:
+            return None
+        first = first or jax.tree_util.keystr(path)
+    return first
+
+
+def empty_report(batch, where: str) -> Report:
+    """The ``"polluted input"`` report of a batch with no rows."""
+    leaf = _leaf_at(batch, where)
+    return Report.no_equation(
+        kind="empty",
+        inputs=[array_stats(leaf)],
+        channels={},
+        diagnosis="polluted input",
+        explanation=(
+            f"the batch has no rows (batch leaf {where} has shape {tuple(np.shape(leaf))}, and "
+            "every other leaf 0 rows too): a mean over it is 0/0 (data, not model)"
+        ),
+        replays=0,
+        seconds=0.0,
+        input_path=where,
+        output_shape=tuple(np.shape(leaf)),
+    )
+
+
 def damaged_report(state) -> Report:
     """The report of a state that already holds a non-finite value before the step runs."""
     where = first_nonfinite(state)
@@ -241,6 +273,14 @@ def decide(step_fn, before, batch, after, metrics: dict, cfg: Config) -> Decisio
             damaged_report(before),
             restore=True,
             action="the state is damaged: roll back to the newest finite checkpoint",
+        )
+    empty = empty_batch(batch)
+    if empty is not None:
+        return Decision(
+            "polluted_input",
+            empty_report(batch, empty),
+            action="skipped the batch: it holds no rows (data, not model)",
+            revert=True,
         )
     report = replay.locate_step(step_fn, before, batch)
     if not report.reproducible:

@@ -91,3 +91,15 @@ def test_the_hint_for_a_culprit_outside_every_site_fits_the_model(sites):
         assert "run nan2safe.nn.convert" not in hint and "left alone" in hint
     else:
         assert "no sites at all" in hint and "run nan2safe.nn.convert(model)" in hint
+
+
+def test_an_empty_batch_is_every_row_leaf_with_no_rows():
+    empty = {"x": np.zeros((0, 4), np.float32), "y": np.zeros((0,), np.int32)}
+    assert incidents.empty_batch(empty) == "['x']"
+    with_key = dict(empty, key=jax.random.key(0), scale=np.float32(2.0))
+    assert incidents.empty_batch(with_key) == "['x']"  # a key and a scalar hold no rows
+    assert incidents.empty_batch({"x": np.zeros((0, 4)), "y": np.zeros((3,))}) is None
+    assert incidents.empty_batch({"x": np.zeros((2, 0))}) is None  # rows with no features
+    assert incidents.empty_batch({"s": np.float32(1.0)}) is None
+    text = str(incidents.empty_report(empty, "['x']"))
+    assert "polluted input: ['x']" in text and "the batch has no rows" in text  # said in print

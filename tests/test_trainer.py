@@ -887,6 +887,27 @@ def test_out_of_range_labels_are_a_polluted_input_not_a_model_fault(tmp_path):
     assert hist[-1]["loss_scale"] == hist[0]["loss_scale"]
 
 
+def test_an_empty_batch_is_a_polluted_input_not_a_model_fault(tmp_path):
+    """A batch with no rows: the loss is a mean over nothing, 0/0. It was an incident, with a
+    downshift and the cross-entropy site in SAFE for the data's fault (newuser41)."""
+    rng = np.random.default_rng(0)
+    batches = [
+        (jnp.asarray(rng.normal(size=(n, 16)), jnp.float32), rng.integers(0, 8, n).astype(np.int32))
+        for n in (32, 32, 0, 32)
+    ]
+    ce_loss = lambda model, batch: model(*batch)
+    with Trainer(_Classifier(rngs=nnx.Rngs(0)), optax.adam(1e-3), ce_loss, CFG, tmp_path) as tr:
+        hist = tr.fit(batches, steps=4)
+        ev = tr.events
+    (polluted,) = [e for e in ev if e["type"] == "polluted_input"]
+    assert polluted["step"] == 2 and polluted["leaf"] == "[0]"
+    assert "no rows" in polluted["report"]["explanation"]
+    assert not any(e["type"] in ("locate", "safe_enter", "downshift") for e in ev)
+    assert hist[2]["skipped"] and not hist[3]["skipped"]
+    assert all(h["gear"] == Gear.FAST for h in hist)
+    assert hist[-1]["loss_scale"] == hist[0]["loss_scale"]
+
+
 def test_the_leaf_holding_the_gathers_out_of_range_index_is_named():
     """``-100`` labels a mask leaves out (as ``ops.cross_entropy`` advises) sat beside the real
     fault, a token id past the vocabulary, and were named with every row; the leaf holding the

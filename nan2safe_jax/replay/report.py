@@ -154,6 +154,8 @@ class Report:
         lines = []
         if self.diagnosis in ("polluted input", "damaged state"):
             lines.append(f"{self.diagnosis}: {self.input_path} holds {self.kind} values")
+            if self.explanation:  # which rows, which labels, out of what range
+                lines.append(f"  {self.explanation}")
         elif not self.reproducible:
             lines.append(self.diagnosis)
             if self.reason and self.reason != self.diagnosis:
