@@ -681,8 +681,9 @@ class Trainer:
           rollback, the learning rate back after a loss spike).
         """
         m = _host(done.metrics)
+        decided = None
         if m["overflow"] and not self._loss_scale_matters(done):
-            done = self._overflow_is_an_incident(done, m)
+            decided = self._overflow_decision(done, m)
         m["time"] = time.time()
         m["safe_sites"] = [k for k, v in m["site_gears"].items() if np.max(v) >= Gear.SAFE]
         if done.replayed:
@@ -701,7 +702,7 @@ class Trainer:
         # can start the next one: the log reads exit, then enter.
         self._safe_exits(done.step, m)
         if m["incident"] or m["polluted"]:
-            restart = self._incident(done, m)
+            restart = self._incident(done, m, decided)
         else:
             self._polluted_streak = 0
         self._gear_events(done.step, m)
@@ -821,22 +822,41 @@ class Trainer:
             )
         return self._scale_matters[key]
 
-    def _overflow_is_an_incident(self, done: _Step, m: dict) -> _Step:
-        """A finite loss with non-finite gradients in a step with no float16 or float8 value:
-        no loss scale saves it (the step took it for the scale's overflow). It is an incident,
-        as a non-finite loss is: the record says so, every gear goes one down as the step does
-        for one (FAST -> STABLE), and tier 2 runs now, not at the 17th in a row."""
-        m["overflow"], m["incident"] = False, True
-        gs = done.after.gear
-        if int(np.max(np.asarray(jax.device_get(gs.level)))) == int(Gear.FAST):
-            gs = gear_lib.set_level(gs, Gear.STABLE, self.cfg)
-            m["next_gear"] = max(int(np.max(m["next_gear"])), int(Gear.STABLE))
-        return dataclasses.replace(done, after=done.after.replace(gear=gs))
+    def _overflow_decision(self, done: _Step, m: dict):
+        """Tier 2 for a loss-scale "overflow" (a finite loss, non-finite gradients) of a step
+        with no float16 or float8 value, where no loss scale brings a gradient back into range
+        that was not in it unscaled: a NaN made by the model (a ``0/0`` in a backward rule, a
+        zero-variance norm whose NaN the compiled forward dropped) is an incident, as a
+        non-finite loss is. It is one when the replay names an equation of the model: the
+        record says ``incident``, and the new gears are one down at least (FAST -> STABLE, as
+        the step moves them for an incident). The step's verdict stands when the replay names
+        the step's own sum of squares (finite gradients whose squares pass f32's range: the
+        scale's business, which halving cures) or stays finite.
 
-    def _incident(self, done: _Step, m: dict) -> _Restart | None:
-        """Tier 2 for one failing step: decide, log, act. See ``nan2safe_jax.incidents``."""
+        Returns:
+          ``(decision, (before, batch), t0)`` for ``_incident``, or None.
+        """
         self._beat()
         t0 = time.perf_counter()
+        inputs = self._tier2_inputs(done)
+        decision = self._decide(done, m, inputs)
+        report = decision.report
+        if decision.kind == "transient" or (
+            report.primitive is not None and incidents.in_step_bookkeeping(report)
+        ):
+            return None
+        m["overflow"], m["incident"] = False, True
+        if decision.gear is not None and int(np.max(np.asarray(decision.gear.level))) < Gear.STABLE:
+            decision = dataclasses.replace(
+                decision, gear=gear_lib.set_level(decision.gear, Gear.STABLE, self.cfg)
+            )
+        if decision.gear is not None:
+            level = int(np.max(np.asarray(decision.gear.level)))
+            m["next_gear"] = max(int(np.max(m["next_gear"])), level)
+        return decision, inputs, t0
+
+    def _tier2_inputs(self, done: _Step) -> tuple:
+        """``(state before, batch)`` of step ``done`` as tier 2 replays them: whole arrays."""
         before, batch = done.before, done.batch
         if self.rules is not None:
             # Replay on one device: the bisection evaluates single equations, which need whole
@@ -844,9 +864,26 @@ class Trainer:
             # Multi-process: each process holds its own rows; the global batch first.
             batch = sharding_lib.shard_batch(batch, self.rules)
             before, batch = sharding_lib.to_local((before, batch))
+        return before, batch
+
+    def _decide(self, done: _Step, m: dict, inputs: tuple) -> incidents.Decision:
+        before, batch = inputs
         # Replay the program that ran the step: the FAST-only one for an all-FAST state.
         program = programs.program_for(self.step_fn, before)
-        decision = incidents.decide(program, before, batch, done.after, m, self.cfg)
+        return incidents.decide(program, before, batch, done.after, m, self.cfg)
+
+    def _incident(self, done: _Step, m: dict, decided=None) -> _Restart | None:
+        """Tier 2 for one failing step: decide, log, act. See ``nan2safe_jax.incidents``.
+
+        ``decided``: what ``_overflow_decision`` already decided for this step."""
+        self._beat()
+        if decided is None:
+            t0 = time.perf_counter()
+            inputs = self._tier2_inputs(done)
+            decision = self._decide(done, m, inputs)
+        else:
+            decision, inputs, t0 = decided
+        before, batch = inputs
         report = decision.report
         where = [getattr(report, k, None) for k in ("site", "primitive")]
         sharding_lib.agree([decision.kind, *where], "tier-2 decision")  # multi-process only

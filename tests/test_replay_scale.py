@@ -89,6 +89,32 @@ def test_fidelity_check_reports_a_step_the_replay_does_not_reproduce():
     assert r2.reproducible and r2.primitive == "log"
 
 
+def test_a_value_only_the_replay_makes_non_finite_must_reach_productions_failure():
+    """An output only the replay makes non-finite is accepted when production failed too
+    (XLA's fused step may drop a NaN), but only if the value the replay names can reach an
+    output production saw non-finite: a callback that turns NaN on the replay, earlier in the
+    program than the real log(0) and feeding another output, was named (review24)."""
+    calls = [0]
+
+    def flaky(v):
+        calls[0] += 1
+        return np.full_like(v, np.nan) if calls[0] >= 2 else v  # 1: the fidelity check's run
+
+    @jax.jit
+    def step(w, x):
+        shape = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), w.dtype)
+        h = jax.pure_callback(flaky, shape, x @ w)
+        return jnp.tanh(h).sum(), jnp.log(w[0, 0] * 0.0 + x[0, 0] * 0.0)  # the real fault
+
+    w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+    r = replay.locate_step(step, w, x)
+    assert not r.reproducible and "output 0 is nan in the replay but finite" in r.reason, r
+    # the same step without the flaky callback: the log is named
+    calls[0] = -(10**9)
+    r = replay.locate_step(step, w, x)
+    assert r.reproducible and r.primitive == "log", r
+
+
 def test_fidelity_check_copies_donated_arguments():
     step = jax.jit(lambda x, y: (jnp.log(x - y), x + 1.0), donate_argnums=(0,))
     x, y = jnp.array([1.0, 3.0]), jnp.array([0.0, 5.0])

@@ -493,6 +493,54 @@ def test_non_finite_gradients_at_a_finite_loss_are_an_overflow_only_where_a_scal
     assert rep["diagnosis"] == "0/0" and rep["source"].startswith(__file__), rep
 
 
+@pytest.mark.parametrize("case", ["big_finite_gradients", "one_off_nan"])
+def test_an_f32_overflow_that_a_scale_cures_or_a_replay_cannot_repeat_stays_the_scales(
+    tmp_path, case
+):
+    """Two "overflows" of an f32 model that are not incidents (review24): finite gradients
+    whose scaled squares pass f32's range (the step's own sum names them; halving cures it),
+    and a one-off NaN the replay does not repeat (transient). Each stays a skip with a halved
+    scale: no locate, no downshift, and the live state's gears are the record's."""
+    flaky = {"calls": 0, "at": None}
+
+    def host(g):
+        flaky["calls"] += 1
+        return np.full_like(g, np.nan) if flaky["calls"] == flaky["at"] else g
+
+    @jax.custom_vjp
+    def gate(x):
+        return jnp.tanh(x)
+
+    def bwd(x, g):
+        g = jax.pure_callback(host, jax.ShapeDtypeStruct(g.shape, g.dtype), g)
+        return (g * (1 - jnp.tanh(x) ** 2),)
+
+    gate.defvjp(lambda x: (jnp.tanh(x), x), bwd)
+
+    class Gated(nnx.Module):
+        def __init__(self, *, rngs):
+            self.lin = nnx.Linear(D, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return gate(self.lin(x))
+
+    batches = _batches(3)
+    if case == "big_finite_gradients":
+        x1, y1 = batches[1]
+        batches[1] = (x1, y1 * 1e15)  # gradient norm ~1e15: x 2**15, its square passes 3.4e38
+    else:
+        flaky["at"] = 2  # step 1's backward makes a NaN, and never again (not in the replay)
+    with Trainer(Gated(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path) as tr:
+        hist = tr.fit(batches, steps=3)
+        ev = tr.events
+        level = int(tr.state.gear.level)
+    assert [h["overflow"] for h in hist] == [False, True, False], hist
+    assert not any(h["incident"] for h in hist) and level == Gear.FAST
+    assert not any(e["type"] in ("locate", "downshift", "safe_enter") for e in ev), _types(ev)
+    assert [e["reason"] for e in ev if e["type"] == "skip"] == ["overflow"]
+    assert hist[-1]["loss_scale"] == hist[0]["loss_scale"] / 2
+
+
 def test_a_model_variable_that_overflows_is_located_and_the_model_safe_stay_logged_once(
     tmp_path,
 ):

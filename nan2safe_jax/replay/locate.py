@@ -28,7 +28,7 @@ import numpy as np
 
 from nan2safe_jax import programs
 from nan2safe_jax.replay import _jax_compat as jc
-from nan2safe_jax.replay import interpret, rules
+from nan2safe_jax.replay import interpret, reach, rules
 from nan2safe_jax.replay.report import (
     NOT_REPRODUCIBLE,
     EqnRef,
@@ -255,6 +255,12 @@ def _locate(
         note = _only_in_replay(np.asarray(expected)[idx], got, idx)
     if why is not None:
         return _not_reproducible(why, sess, t0)
+    strict = None
+    if note is not None:  # an output only the replay made non-finite: told apart below
+        got = fl.out_codes if fl.out_codes is not None else fl.prefix_outs[1]
+        idx = None if fl.out_codes is not None else fl.prefix_outs[0]
+        wanted = np.asarray(expected) if idx is None else np.asarray(expected)[idx]
+        strict = _mismatch(wanted, got, idx)
 
     first = first_flagged(fl)
     if first is not None:
@@ -276,6 +282,12 @@ def _locate(
         nf = search(sess, "top", top_jaxpr, list(consts), leaves, ns, (), "nan", top=True)
         first_nan = _ref(nf) if nf is not None else None
     ref = _ref(found)
+    if strict is not None and not reach.reaches(
+        top_jaxpr, ref.eqn_path, np.nonzero(np.asarray(expected))[0]
+    ):
+        # The value the replay names reaches no output production saw non-finite: it did not
+        # make production's failure (a flaky kernel, a callback that differs on the replay).
+        return _not_reproducible(strict, sess, t0)
     closed = {id(v) for v in top_jaxpr.constvars}  # the closed-over constants count as literals
     literal = [jc.is_literal(a) or id(a) in closed for a in found.item.eqn.invars]
     in_stats = [array_stats(v, lit) for v, lit in zip(found.invals, literal, strict=True)]
