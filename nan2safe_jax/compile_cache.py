@@ -10,7 +10,9 @@ JAX keeps one cache per process, set through its config; this module only points
 directory when nothing else has, so a user's own ``jax_compilation_cache_dir`` (or
 ``JAX_COMPILATION_CACHE_DIR``) always wins. A directory it set for an earlier run of the
 process is moved to the new run's (a second workdir in a notebook): that run's restarts find
-their programs, and a first workdir deleted since costs no failed writes.
+their programs, and a first workdir deleted since costs no failed writes. A run that closes
+lets its directory go (``release``): the process's later compiles, in no run, are not written
+into a finished run's workdir, nor fail once that workdir is deleted.
 """
 
 from __future__ import annotations
@@ -86,3 +88,25 @@ def enable(path: str | os.PathLike) -> Path | None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     _ours = path
     return path
+
+
+def release(path: str | os.PathLike | None) -> None:
+    """Turns JAX's cache off again when ``enable`` pointed it at ``path`` and it is still
+    there (a closing run's own directory); a directory the user set, or one a later run moved
+    the cache to, is left alone.
+
+    Without it a closed run's workdir took every later compile of the process that ran long
+    enough to be cached, and once that workdir was deleted (a temporary folder) each one
+    warned ``Error writing persistent compilation cache entry`` (newuser43).
+    """
+    global _ours
+    if path is None or _ours is None:
+        return
+    now = current()
+    if now is None or now.resolve() != Path(path).resolve() or now.resolve() != _ours.resolve():
+        return
+    from jax.experimental.compilation_cache import compilation_cache
+
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
+    _ours = None

@@ -365,6 +365,7 @@ class Trainer:
         lock = getattr(self, "_lock", None)
         if lock is not None:
             lock.release()
+        compile_cache_lib.release(getattr(self, "compile_cache", None))
         dog = getattr(self, "_watchdog", None)
         if dog is not None:
             dog.stop()

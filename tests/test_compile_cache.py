@@ -47,6 +47,21 @@ def test_enable_sets_the_directory_only_when_the_user_set_none(no_cache_set, tmp
     assert compile_cache.current() == tmp_path / "user"
 
 
+def test_a_closed_run_lets_the_cache_directory_it_set_go(no_cache_set, tmp_path):
+    """After ``Trainer.close`` the process's compiles no longer go to that run's workdir (a
+    temporary folder deleted afterwards made each later compile warn, newuser43); a directory
+    the user set stays."""
+    with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, workdir=tmp_path / "a") as tr:
+        assert tr.compile_cache == tmp_path / "a" / "compile_cache"
+        assert compile_cache.current() == tr.compile_cache
+    assert compile_cache.current() is None
+    compile_cache.release(tmp_path / "a" / "compile_cache")  # again: nothing to do
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "user"))
+    with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, workdir=tmp_path / "b") as tr:
+        assert tr.compile_cache == tmp_path / "user"
+    assert compile_cache.current() == tmp_path / "user"
+
+
 def test_enable_rejects_a_file(no_cache_set, tmp_path):
     path = tmp_path / "file"
     path.write_text("x")
