@@ -190,6 +190,14 @@ def headroom(max_abs: jax.Array, overflow: jax.Array, dtype) -> jax.Array:
     return jnp.where(overflow, 1.0, max_abs / _finfo_max(dtype))
 
 
+# The sums run on ``x * 2**-32``, each term clipped so that no sum of ``x.size`` of them passes
+# f32's range: a power of two scales exactly, so the statistics are the same bits wherever they
+# were finite, and a probe makes no inf from finite values (attention logits of 4e18: their f32
+# sum of squares overflowed, and tier 2 named the probe's reduction, not the model, newuser42).
+_SUM_SCALE = 2.0**-32
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
+
+
 def _sums(a, b):
     """The reducer of ``stats``: sums, except the max of the third operand."""
     out = [u + v for u, v in zip(a, b, strict=True)]
@@ -229,7 +237,9 @@ def stats(x: jax.typing.ArrayLike) -> jax.Array:
     xz = jnp.where(nan | pos | neg, 0.0, xf)
     one = lambda b: b.astype(jnp.float32)
     zero = jnp.zeros((), jnp.float32)
-    parts = (xz, jnp.square(xz), jnp.abs(xz), one(nan), one(pos), one(neg))
+    bound = math.sqrt(_F32_MAX / max(xf.size, 1))  # size terms of at most bound**2 sum finite
+    xs = jnp.clip(xz * _SUM_SCALE, -bound, bound)
+    parts = (xs, jnp.square(xs), jnp.abs(xz), one(nan), one(pos), one(neg))
     if _PARTITIONED.get() and xf.ndim:
         stacked = jnp.stack([parts[i] for i in (0, 1, 3, 4, 5)])
         sums = jnp.sum(stacked, tuple(range(1, xf.ndim + 1)))
@@ -243,6 +253,9 @@ def stats(x: jax.typing.ArrayLike) -> jax.Array:
     inv_n = 1.0 / jnp.maximum(float(xf.size) - n_nan - n_pos - n_neg, 1.0)
     mean = total * inv_n
     var = jnp.maximum(total_sq * inv_n - jnp.square(mean), 0.0)
+    # back from the scaled sums: exact, and the variance saturates at f32's max
+    mean = mean * (1.0 / _SUM_SCALE)
+    var = jnp.minimum(var, _F32_MAX * _SUM_SCALE**2) * (1.0 / _SUM_SCALE**2)
     head = headroom(max_abs, n_pos > 0, x.dtype)
     return jnp.stack([max_abs, mean, var, n_nan + n_pos, head]).astype(jnp.float32)
 

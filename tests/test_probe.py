@@ -1,11 +1,14 @@
 """probe: the named layout of the probe vector and its producers agree."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from nan2safe_jax import probe
+from nan2safe_jax.replay import locate
 
 
 def test_named_indices_follow_stats():
@@ -111,3 +114,29 @@ def test_named_values_is_a_mapping_and_one_array_through_jit():
     with pytest.raises(KeyError):
         nv["d"]
     assert "b" in nv and "d" not in nv
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("partitioned", [False, True], ids=["one_device", "partitioned"])
+def test_stats_of_huge_finite_values_are_finite_and_make_no_inf(dtype, partitioned):
+    """Attention logits of ~4e18: their f32 sum of squares overflowed, so the probe's variance
+    was inf and tier 2 named the probe's own reduction as the culprit of a later fault
+    (newuser42). The sums now run scaled by 2**-32 (exact), and no equation of ``stats`` makes
+    an inf from finite values; past f32's range the variance saturates at its max."""
+    rng = np.random.default_rng(0)
+    for scale, exact in ((4e18, True), (1e30, False)):
+        x = jnp.asarray(rng.normal(size=(64, 65)) * scale, dtype)
+        with probe.partitioned() if partitioned else contextlib.nullcontext():
+            fn = lambda v: probe.stats(v)  # noqa: E731 - fresh: a jit's trace cache ignores the mode
+            got = np.asarray(jax.jit(fn)(x), np.float64)
+            jaxpr = jax.make_jaxpr(fn)(x)
+        assert np.isfinite(got).all(), got
+        want = _reference_stats(np.asarray(x.astype(jnp.float32)), dtype)
+        if exact:
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-18)  # (f32 headroom: FTZ)
+        else:  # the variance (~1e60) saturates; the rest holds
+            assert got[probe.VAR] == float(jnp.finfo(jnp.float32).max)
+            np.testing.assert_allclose(got[probe.MAX_ABS], want[probe.MAX_ABS], rtol=1e-4)
+        # every intermediate of the statistics is finite (what the replay would flag)
+        found = locate(jaxpr, (x,))
+        assert found is None, str(found)
