@@ -143,9 +143,19 @@ def _why_not_saved(workdir: Path, step: int) -> str | None:
 
 
 def _report(args) -> int:
-    # The summary, the dashboard and TensorBoard each read the logs: a torn line is said once.
+    # The summary, the dashboard and TensorBoard each read the logs: a torn line is said once,
+    # as a message of the command (not a library file's warning with its line number).
+    seen: set[str] = set()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = f"warning: {message}"
+        if text not in seen:
+            seen.add(text)
+            print(text, file=sys.stderr)
+
     with warnings.catch_warnings():
-        warnings.simplefilter("once")
+        warnings.simplefilter("always")
+        warnings.showwarning = show
         return _report_once(args)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import time
 import types
@@ -471,6 +472,16 @@ def test_report_cli_names_what_is_wrong_and_writes_where_told(tmp_path, run_dir,
     printed = capsys.readouterr().out
     assert "steps run" in printed and f"dashboard: {out}" in printed
     assert "dash_tensorboard" in printed or "needs tensorboardX" in printed
+    # A torn line (a killed process) is said once, as the command's message: the summary and
+    # the dashboard each read the log, and it was printed twice from summary.py (newuser42).
+    torn = tmp_path / "torn"
+    shutil.copytree(wd, torn)
+    with open(torn / R.EVENTS_FILE, "a") as f:
+        f.write('{"type": "skip", "step": 3, "ti\n')
+    assert cli.main(["report", str(torn), "--out", str(tmp_path / "torn.png")]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert sum("events.jsonl: skipping" in x for x in lines) == 1, lines
+    assert all(x.startswith("warning: ") for x in lines), lines
 
 
 def test_demo_refuses_a_workdir_that_holds_something_else(tmp_path, capsys):
