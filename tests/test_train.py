@@ -455,8 +455,13 @@ def test_metrics_probes_are_one_array_row_per_probe_and_scanned_layers_stay_one_
     assert "blocks.attn.probe_logits[2]" in probes
     # the reference: the same forward, its probe variables read row by row
     model = state.model
-    with nan2safe.probe.probe_set(state.cfg.probes):
-        loss = lm_loss(model, batch)
+
+    @nnx.jit  # (eagerly, op by op, the scanned forward took a third of the test)
+    def reference(model, batch):
+        with nan2safe.probe.probe_set(state.cfg.probes):
+            return lm_loss(model, batch)
+
+    loss = reference(model, batch)
     rows = collect_probes(model)
     for name, row in rows.items():
         if name in probes:
