@@ -121,7 +121,7 @@ def test_named_values_is_a_mapping_and_one_array_through_jit():
 def test_stats_of_huge_finite_values_are_finite_and_make_no_inf(dtype, partitioned):
     """Attention logits of ~4e18: their f32 sum of squares overflowed, so the probe's variance
     was inf and tier 2 named the probe's own reduction as the culprit of a later fault
-    (newuser42). The sums now run scaled by 2**-32 (exact), and no equation of ``stats`` makes
+    (newuser42). The sums now run scaled by 2**-16 (exact), and no equation of ``stats`` makes
     an inf from finite values; past f32's range the variance saturates at its max."""
     rng = np.random.default_rng(0)
     for scale, exact in ((4e18, True), (1e30, False)):
