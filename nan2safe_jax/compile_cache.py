@@ -27,6 +27,16 @@ import jax
 # workdir in the same process) moves the cache to its own, where a directory the user set is
 # kept.
 _ours: Path | None = None
+# The open runs using each directory ``enable`` set (resolved path -> count): a run that closes
+# lets it go only when no other run of the process uses it (a new Trainer resuming the
+# workdir closes the old one after taking the directory).
+_users: dict[str, int] = {}
+
+
+def _use(path: Path) -> Path:
+    key = str(path.resolve())
+    _users[key] = _users.get(key, 0) + 1
+    return path
 
 
 def set_by_user() -> bool:
@@ -75,8 +85,10 @@ def enable(path: str | os.PathLike) -> Path | None:
         jax.config.update("jax_compilation_cache_dir", str(path))
         compilation_cache.reset_cache()  # JAX opened the old directory once; open this one
         _ours = path
-        return path
+        return _use(path)
     if before is not None:
+        if not set_by_user():  # ours, for another run of this process at the same place
+            return _use(before)
         if before.resolve() != path.resolve():
             warnings.warn(
                 f"compile_cache: JAX's compilation cache is already at {str(before)!r}; "
@@ -87,20 +99,28 @@ def enable(path: str | os.PathLike) -> Path | None:
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     _ours = path
-    return path
+    return _use(path)
 
 
 def release(path: str | os.PathLike | None) -> None:
-    """Turns JAX's cache off again when ``enable`` pointed it at ``path`` and it is still
-    there (a closing run's own directory); a directory the user set, or one a later run moved
-    the cache to, is left alone.
+    """Turns JAX's cache off again when ``enable`` pointed it at ``path``, it is still there,
+    and no other open run took it (each ``enable`` that returned it counts one run, each
+    ``release`` one less); a directory the user set, or one a later run moved the cache to, is
+    left alone.
 
     Without it a closed run's workdir took every later compile of the process that ran long
     enough to be cached, and once that workdir was deleted (a temporary folder) each one
     warned ``Error writing persistent compilation cache entry`` (newuser43).
     """
     global _ours
-    if path is None or _ours is None:
+    key = None if path is None else str(Path(path).resolve())
+    if key not in _users:
+        return
+    _users[key] -= 1
+    if _users[key] > 0:
+        return
+    del _users[key]
+    if _ours is None:
         return
     now = current()
     if now is None or now.resolve() != Path(path).resolve() or now.resolve() != _ours.resolve():

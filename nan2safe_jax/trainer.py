@@ -252,24 +252,24 @@ class Trainer:
         check_shared(self.workdir)
         sharding_lib.agree_fields(dataclasses.asdict(self.cfg), "the Trainer's Config")
         self.compile_cache = _compile_cache(compile_cache, self.workdir)
-        self.loss_fn = loss_fn
-        self.progress = progress
-        self.rules = sharding_lib.resolve(mesh, rules)
-        self.state = TrainState.create(model, tx, self.cfg)
-        if self.rules is not None:
-            self.state = sharding_lib.shard_state(self.state, self.rules)
-        self.step_fn = make_train_step(
-            loss_fn, lr_schedule=lr_schedule, rules=self.rules, has_aux=has_aux
-        )
-        # Held until ``close``: a second trainer would overwrite this run's checkpoints. Another
-        # process's trainer holding it raises here; one of this process is closed at the end,
-        # once this one has resumed (``nan2safe_jax.workdir``).
-        self._lock = WorkdirLock(sharding_lib.log_dir(self.workdir))
-        self._watchdog = None  # runs only while ``fit`` does
-        if hang_timeout_s == "auto":
-            hang_timeout_s = HANG_TIMEOUT_S if jax.process_count() > 1 else None
-        self.hang_timeout_s = hang_timeout_s
-        try:
+        try:  # from here a failure closes what is open (the cache directory above too)
+            self.loss_fn = loss_fn
+            self.progress = progress
+            self.rules = sharding_lib.resolve(mesh, rules)
+            self.state = TrainState.create(model, tx, self.cfg)
+            if self.rules is not None:
+                self.state = sharding_lib.shard_state(self.state, self.rules)
+            self.step_fn = make_train_step(
+                loss_fn, lr_schedule=lr_schedule, rules=self.rules, has_aux=has_aux
+            )
+            # Held until ``close``: a second trainer would overwrite this run's checkpoints.
+            # Another process's trainer holding it raises here; one of this process is closed
+            # at the end, once this one has resumed (``nan2safe_jax.workdir``).
+            self._lock = WorkdirLock(sharding_lib.log_dir(self.workdir))
+            self._watchdog = None  # runs only while ``fit`` does
+            if hang_timeout_s == "auto":
+                hang_timeout_s = HANG_TIMEOUT_S if jax.process_count() > 1 else None
+            self.hang_timeout_s = hang_timeout_s
             self._open(factory, has_aux, resume)
         except BaseException:
             self.close()
@@ -365,7 +365,9 @@ class Trainer:
         lock = getattr(self, "_lock", None)
         if lock is not None:
             lock.release()
-        compile_cache_lib.release(getattr(self, "compile_cache", None))
+        if not getattr(self, "_cache_released", False):  # once: each Trainer counts one user
+            self._cache_released = True
+            compile_cache_lib.release(getattr(self, "compile_cache", None))
         dog = getattr(self, "_watchdog", None)
         if dog is not None:
             dog.stop()
@@ -842,6 +844,8 @@ class Trainer:
         inputs = self._tier2_inputs(done)
         decision = self._decide(done, m, inputs)
         report = decision.report
+        where = [getattr(report, k, None) for k in ("site", "primitive")]
+        sharding_lib.agree([decision.kind, *where], "tier-2 decision")  # multi-process only
         if decision.kind == "transient" or (
             report.primitive is not None and incidents.in_step_bookkeeping(report)
         ):

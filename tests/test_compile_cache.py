@@ -56,6 +56,19 @@ def test_a_closed_run_lets_the_cache_directory_it_set_go(no_cache_set, tmp_path)
         assert compile_cache.current() == tr.compile_cache
     assert compile_cache.current() is None
     compile_cache.release(tmp_path / "a" / "compile_cache")  # again: nothing to do
+    # A new Trainer resuming the workdir closes the old one: the directory stays for the new
+    # one (review25), and goes with the last
+    first = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, workdir=tmp_path / "a")
+    second = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, workdir=tmp_path / "a")
+    assert first.closed and compile_cache.current() == second.compile_cache
+    first.close()  # (again: counted once)
+    assert compile_cache.current() == second.compile_cache
+    second.close()
+    assert compile_cache.current() is None
+    # A Trainer whose __init__ fails lets the directory go too
+    with pytest.raises(ValueError):
+        Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, workdir=tmp_path / "c", rules=1)
+    assert compile_cache.current() is None
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "user"))
     with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, workdir=tmp_path / "b") as tr:
         assert tr.compile_cache == tmp_path / "user"
