@@ -238,9 +238,12 @@ def stats(x: jax.typing.ArrayLike) -> jax.Array:
     xz = jnp.where(nan | pos | neg, 0.0, xf)
     one = lambda b: b.astype(jnp.float32)
     zero = jnp.zeros((), jnp.float32)
-    bound = 0.5 * math.sqrt(_F32_MAX / max(xf.size, 1))  # size terms of bound**2: a quarter of max
-    xs = jnp.clip(xz * _SUM_SCALE, -bound, bound)
-    parts = (xs, jnp.square(xs), jnp.abs(xz), one(nan), one(pos), one(neg))
+    n = max(xf.size, 1)
+    xs = xz * _SUM_SCALE  # at most 2**-16 of f32's max: n of them sum finite up to n = 2**15
+    if n > 2**15:  # (static) a larger tensor's terms are clipped to sum within f32's range
+        xs = jnp.clip(xs, -0.5 * _F32_MAX / n, 0.5 * _F32_MAX / n)
+    bound = 0.5 * math.sqrt(_F32_MAX / n)  # n squares of at most bound**2: a quarter of max
+    parts = (xs, jnp.square(jnp.clip(xs, -bound, bound)), jnp.abs(xz), one(nan), one(pos), one(neg))
     if _PARTITIONED.get() and xf.ndim:
         stacked = jnp.stack([parts[i] for i in (0, 1, 3, 4, 5)])
         sums = jnp.sum(stacked, tuple(range(1, xf.ndim + 1)))
@@ -254,9 +257,11 @@ def stats(x: jax.typing.ArrayLike) -> jax.Array:
     inv_n = 1.0 / jnp.maximum(float(xf.size) - n_nan - n_pos - n_neg, 1.0)
     mean = total * inv_n
     var = jnp.maximum(total_sq * inv_n - jnp.square(mean), 0.0)
-    # back from the scaled sums: exact, and the variance saturates at f32's max
+    # back from the scaled sums: exact; the variance saturates at f32's max, and so does one
+    # whose squares were clipped (a value past the bound: its E[x^2] is not the sum's)
     mean = mean * (1.0 / _SUM_SCALE)
     var = jnp.minimum(var, _F32_MAX * _SUM_SCALE**2) * (1.0 / _SUM_SCALE**2)
+    var = jnp.where(max_abs * _SUM_SCALE > bound, _F32_MAX, var) if n > 1 else var * 0.0
     head = headroom(max_abs, n_pos > 0, x.dtype)
     return jnp.stack([max_abs, mean, var, n_nan + n_pos, head]).astype(jnp.float32)
 

@@ -140,3 +140,14 @@ def test_stats_of_huge_finite_values_are_finite_and_make_no_inf(dtype, partition
         # every intermediate of the statistics is finite (what the replay would flag)
         found = locate(jaxpr, (x,))
         assert found is None, str(found)
+
+
+def test_stats_of_a_huge_scalar_or_constant_keep_their_mean_and_zero_variance():
+    """review25: a clipped sum read a 1e30 loss's mean as 7.9e28, and a constant tensor of
+    huge values the variance of f32's max; the mean is now exact, a scalar's variance 0, and a
+    constant's 0 while its squares fit (past that it saturates: E[x^2] is not known)."""
+    one = np.asarray(probe.stats(jnp.float32(1e30)), np.float64)
+    assert one[probe.MEAN] == float(np.float32(1e30)) and one[probe.VAR] == 0.0
+    const = np.asarray(jax.jit(probe.stats)(jnp.full((100,), 3e20, jnp.float32)), np.float64)
+    assert const[probe.MEAN] == pytest.approx(3e20, rel=1e-5)
+    assert const[probe.VAR] <= 1e-5 * 3e20**2  # (f32 rounding of E[x^2] - E[x]^2)
