@@ -145,16 +145,21 @@ def _why_not_saved(workdir: Path, step: int) -> str | None:
 def _report(args) -> int:
     # The summary, the dashboard and TensorBoard each read the logs: a torn line is said once,
     # as a message of the command (not a library file's warning with its line number).
+    # Other warnings (a library's) keep Python's filters and form.
     seen: set[str] = set()
 
     def show(message, category, filename, lineno, file=None, line=None):
-        text = f"warning: {message}"
+        ours = issubclass(category, RuntimeWarning) and "nan2safe_jax" in str(filename)
+        text = (
+            f"warning: {message}"
+            if ours
+            else warnings.formatwarning(message, category, filename, lineno, line).rstrip()
+        )
         if text not in seen:
             seen.add(text)
             print(text, file=sys.stderr)
 
     with warnings.catch_warnings():
-        warnings.simplefilter("always")
         warnings.showwarning = show
         return _report_once(args)
 
