@@ -190,11 +190,12 @@ def headroom(max_abs: jax.Array, overflow: jax.Array, dtype) -> jax.Array:
     return jnp.where(overflow, 1.0, max_abs / _finfo_max(dtype))
 
 
-# The sums run on ``x * 2**-16``, each term clipped so that no sum of ``x.size`` of them passes
-# f32's range: a power of two scales exactly, so the statistics are the same bits wherever they
-# were finite (and the scaled square is a normal f32: |x| above ~7e-15), and a probe makes no
-# inf from finite values (attention logits of 4e18: their f32 sum of squares overflowed, and
-# tier 2 named the probe's reduction, not the model, newuser42).
+# The sum of squares runs on ``|x| * 2**-16``: a power of two scales exactly, so the variance
+# is the same bits wherever it was finite (and the scaled square is a normal f32: |x| above
+# ~7e-15), and a probe makes no inf from finite values below |x| ~1.2e24, where f32's square
+# overflowed at 1.8e19 (attention logits of 4e18: the probe's variance read inf, and tier 2
+# named the probe's reduction, not the model, newuser42). One multiply per element: clipping
+# too (no inf at all) cost each instrumented replay ~1.5 s of a demo-size locate.
 _SUM_SCALE = 2.0**-16
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
 
@@ -238,12 +239,9 @@ def stats(x: jax.typing.ArrayLike) -> jax.Array:
     xz = jnp.where(nan | pos | neg, 0.0, xf)
     one = lambda b: b.astype(jnp.float32)
     zero = jnp.zeros((), jnp.float32)
-    n = max(xf.size, 1)
-    xs = xz * _SUM_SCALE  # at most 2**-16 of f32's max: n of them sum finite up to n = 2**15
-    if n > 2**15:  # (static) a larger tensor's terms are clipped to sum within f32's range
-        xs = jnp.clip(xs, -0.5 * _F32_MAX / n, 0.5 * _F32_MAX / n)
-    bound = 0.5 * math.sqrt(_F32_MAX / n)  # n squares of at most bound**2: a quarter of max
-    parts = (xs, jnp.square(jnp.clip(xs, -bound, bound)), jnp.abs(xz), one(nan), one(pos), one(neg))
+    ax = jnp.abs(xz)
+    # The squares of x * 2**-16: no inf below |x| ~1.2e24 (f32's square overflowed at 1.8e19)
+    parts = (xz, jnp.square(ax * _SUM_SCALE), ax, one(nan), one(pos), one(neg))
     if _PARTITIONED.get() and xf.ndim:
         stacked = jnp.stack([parts[i] for i in (0, 1, 3, 4, 5)])
         sums = jnp.sum(stacked, tuple(range(1, xf.ndim + 1)))
@@ -256,12 +254,12 @@ def stats(x: jax.typing.ArrayLike) -> jax.Array:
     # ``total_sq / n`` were a kernel each; the products below fuse into what reads them.
     inv_n = 1.0 / jnp.maximum(float(xf.size) - n_nan - n_pos - n_neg, 1.0)
     mean = total * inv_n
-    var = jnp.maximum(total_sq * inv_n - jnp.square(mean), 0.0)
-    # back from the scaled sums: exact; the variance saturates at f32's max, and so does one
-    # whose squares were clipped (a value past the bound: its E[x^2] is not the sum's)
-    mean = mean * (1.0 / _SUM_SCALE)
-    var = jnp.minimum(var, _F32_MAX * _SUM_SCALE**2) * (1.0 / _SUM_SCALE**2)
-    var = jnp.where(max_abs * _SUM_SCALE > bound, _F32_MAX, var) if n > 1 else var * 0.0
+    # the variance from the scaled squares: exact, saturating at f32's max; a scalar's is 0
+    var = jnp.maximum(total_sq * inv_n - jnp.square(mean * _SUM_SCALE), 0.0)
+    top = jnp.full_like(var, _F32_MAX * _SUM_SCALE**2)  # (a sum of squares past f32: inf, NaN)
+    var = lax.min(lax.select(jnp.isnan(var), top, var), top) * (1.0 / _SUM_SCALE**2)
+    if xf.size <= 1:
+        var = jnp.zeros_like(var)
     head = headroom(max_abs, n_pos > 0, x.dtype)
     return jnp.stack([max_abs, mean, var, n_nan + n_pos, head]).astype(jnp.float32)
 
