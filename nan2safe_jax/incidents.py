@@ -176,22 +176,31 @@ def out_of_range_labels(batch, size: int, indices=None) -> tuple[str, list[int]]
     return first
 
 
-def label_report(batch, where: str, rows: list[int], size: int) -> Report:
-    """The ``"polluted input"`` report of integer labels outside ``[0, size)``."""
+def _leaf_report(batch, where: str, kind: str, rows: list[int], explanation: str) -> Report:
+    """A ``"polluted input"`` report of batch leaf ``where`` (no equation blamed)."""
     leaf = _leaf_at(batch, where)
     return Report.no_equation(
-        kind="label",
+        kind=kind,
         inputs=[array_stats(leaf)],
-        channels={0: rows},
+        channels={0: rows} if rows else {},
         diagnosis="polluted input",
-        explanation=(
-            f"batch leaf {where} holds integer labels outside [0, {size}) in rows {rows[:16]}: "
-            "the gather over them filled NaN (data, not model)"
-        ),
+        explanation=explanation,
         replays=0,
         seconds=0.0,
         input_path=where,
         output_shape=tuple(np.shape(leaf)),
+    )
+
+
+def label_report(batch, where: str, rows: list[int], size: int) -> Report:
+    """The ``"polluted input"`` report of integer labels outside ``[0, size)``."""
+    return _leaf_report(
+        batch,
+        where,
+        "label",
+        rows,
+        f"batch leaf {where} holds integer labels outside [0, {size}) in rows {rows[:16]}: "
+        "the gather over them filled NaN (data, not model)",
     )
 
 
@@ -210,20 +219,14 @@ def empty_batch(batch) -> str | None:
 
 def empty_report(batch, where: str) -> Report:
     """The ``"polluted input"`` report of a batch with no rows."""
-    leaf = _leaf_at(batch, where)
-    return Report.no_equation(
-        kind="empty",
-        inputs=[array_stats(leaf)],
-        channels={},
-        diagnosis="polluted input",
-        explanation=(
-            f"the batch has no rows (batch leaf {where} has shape {tuple(np.shape(leaf))}, and "
-            "every other leaf 0 rows too): a mean over it is 0/0 (data, not model)"
-        ),
-        replays=0,
-        seconds=0.0,
-        input_path=where,
-        output_shape=tuple(np.shape(leaf)),
+    shape = tuple(np.shape(_leaf_at(batch, where)))
+    return _leaf_report(
+        batch,
+        where,
+        "empty",
+        [],
+        f"the batch has no rows (batch leaf {where} has shape {shape}, and every other leaf 0 "
+        "rows too): a mean over it is 0/0 (data, not model)",
     )
 
 
