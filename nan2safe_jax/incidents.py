@@ -34,7 +34,6 @@ import os
 from typing import Any
 
 import jax
-import jax.extend.core
 import numpy as np
 
 from nan2safe_jax import gear as gear_lib
@@ -42,6 +41,7 @@ from nan2safe_jax import replay
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear, GearState
 from nan2safe_jax.numerics import _is_key, first_nonfinite
+from nan2safe_jax.replay import _jax_compat as jc
 from nan2safe_jax.replay.nearest import nearest_site
 from nan2safe_jax.replay.report import Report, array_stats, channel_scan
 
@@ -326,17 +326,6 @@ def _narrow(dtype) -> bool:
     return float(jax.numpy.finfo(dtype).max) < 1e38
 
 
-def _jaxprs_in(value):
-    """The jaxprs a primitive's parameter holds (a body, branches, a custom rule's jaxpr)."""
-    if isinstance(value, jax.extend.core.ClosedJaxpr):
-        yield value.jaxpr
-    elif isinstance(value, jax.extend.core.Jaxpr):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _jaxprs_in(v)
-
-
 def holds_narrow_float(jaxpr) -> bool:
     """Whether any value of ``jaxpr`` (its inputs, every equation's outputs, in every nested
     jaxpr) is a float16 or float8: the only dtypes whose gradients a loss scale keeps in range
@@ -352,8 +341,7 @@ def holds_narrow_float(jaxpr) -> bool:
         for eqn in j.eqns:
             if any(_narrow(v.aval.dtype) for v in eqn.outvars if hasattr(v.aval, "dtype")):
                 return True
-            for value in eqn.params.values():
-                stack.extend(_jaxprs_in(value))
+            stack.extend(jc.sub_jaxprs(eqn))
     return False
 
 

@@ -851,12 +851,11 @@ class Trainer:
         ):
             return None
         m["overflow"], m["incident"] = False, True
-        if decision.gear is not None and int(np.max(np.asarray(decision.gear.level))) < Gear.STABLE:
-            decision = dataclasses.replace(
-                decision, gear=gear_lib.set_level(decision.gear, Gear.STABLE, self.cfg)
-            )
         if decision.gear is not None:
             level = int(np.max(np.asarray(decision.gear.level)))
+            if level < Gear.STABLE:
+                gs = gear_lib.set_level(decision.gear, Gear.STABLE, self.cfg)
+                decision, level = dataclasses.replace(decision, gear=gs), int(Gear.STABLE)
             m["next_gear"] = max(int(np.max(m["next_gear"])), level)
         return decision, inputs, t0
 

@@ -38,6 +38,7 @@ __all__ = [
     "eqn_user_frames",
     "eqn_user_source",
     "has_sub_jaxpr",
+    "sub_jaxprs",
     "is_literal",
     "jit_with_options",
     "literal_value",
@@ -92,16 +93,21 @@ def call_body(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
     return None
 
 
+def sub_jaxprs(eqn: Any) -> list[Any]:
+    """The open jaxprs ``eqn``'s parameters hold (a body, branches, a custom rule's jaxpr),
+    directly or in a tuple or list."""
+    out = []
+    for v in eqn.params.values():
+        for x in v if isinstance(v, (tuple, list)) else (v,):
+            if isinstance(x, (Jaxpr, ClosedJaxpr)):
+                out.append(open_jaxpr(x)[0])
+    return out
+
+
 def has_sub_jaxpr(eqn: Any) -> bool:
     """Whether any parameter of ``eqn`` is a jaxpr (a higher-order primitive: ``pallas_call``,
     ``shard_map``, ``custom_transpose``, ``linear_call``, ``run_state``, ``xla_pmap`` ...)."""
-
-    def is_jaxpr(v: Any) -> bool:
-        if isinstance(v, (Jaxpr, ClosedJaxpr)):
-            return True
-        return isinstance(v, (tuple, list)) and any(isinstance(x, (Jaxpr, ClosedJaxpr)) for x in v)
-
-    return any(is_jaxpr(v) for v in eqn.params.values())
+    return bool(sub_jaxprs(eqn))
 
 
 def _scan_counts(p: dict[str, Any]) -> tuple[int, int]:
