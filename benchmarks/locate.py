@@ -42,9 +42,15 @@ with the flag on: compile, run, de-optimized re-run) and warm, with what each na
 a second incident on the same step, traced afresh (as the trainer does) and located again. Also
 whether ``jax_debug_nans`` notices anything when switched on only after the step was compiled.
 
+``--level stable`` (writes ``docs/locate_stable.json``): the same ladder with the state's level
+at STABLE, as after tier 1's downshift. The general program runs the step; ``locate`` is
+``locate_step`` on the ``make_train_step`` step, which replays the step traced with the state's
+gears as constants (``programs.replay_programs``), as the Trainer does; ``general`` replays the
+general program itself (what tier 2 did before).
+
 Usage: ``python benchmarks/locate.py [--rungs demo,4x256] [--layouts unrolled,scan,remat]
-[--faults masked_row,fp16_logits] [--json PATH] [--merge]``, ``--suite faults [--quick]``,
-``--markdown``.
+[--faults masked_row,fp16_logits] [--level fast|stable] [--json PATH] [--merge]``,
+``--suite faults [--quick]``, ``--markdown``.
 """
 
 from __future__ import annotations
@@ -288,13 +294,22 @@ LADDER_FAULTS = {
     "masked_row": ("sub", "div"),
     # fp16 attention logits of one layer scaled past 65504 (flax's explicit attention path)
     "fp16_logits": ("dot_general",),
+    # (``--level stable`` only, not a default) a zero residual stream (``embed_scale`` 0) into a
+    # LayerNorm with epsilon 0: 0 * rsqrt(0) in the first layer's norm site, which STABLE does
+    # not floor (SAFE does): a fault tier 1's downshift does not prevent
+    "zero_norm": ("rsqrt", "mul", "div"),
 }
+LADDER_DEFAULT = ("masked_row", "fp16_logits")
 # fault -> (marker of the expected user line in examples/transformer.py, site expected)
 LADDER_WHERE = {
     "masked_row": ("weights = jax.nn.softmax(logits", None),
     "fp16_logits": ("self.attn(qk, qk, h", "attn"),
+    "zero_norm": ("h = self.ln1(x)", "ln1"),
 }
 QK_GAIN = 1e5  # fp16_logits: the q·k gain of the middle layer (logits of O(1) -> past 65504)
+# At STABLE the attention site keeps that in range (the fault tier 1's downshift prevents); the
+# gain that still overflows there.
+QK_GAIN_STABLE = 4e9
 RSS_LIMIT_GB = 8.0
 
 
@@ -316,8 +331,14 @@ def _rss_guard(limit_gb: float) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def build_ladder(rung: str, layout: str, fault: str):
-    """``(step, (state, batch))``: the Trainer's jitted step on a faulty batch."""
+def build_ladder(rung: str, layout: str, fault: str, level: str = "fast"):
+    """``(program, replayed, (state, batch))``: the Trainer's jitted step program that runs a
+    faulty batch, what tier 2 replays for it, and the arguments.
+
+    ``level``: ``fast`` (every gear FAST: the FAST-only program runs and is replayed) or
+    ``stable`` (the level at STABLE, as after tier 1's downshift: the general program runs; the
+    replay is the ``make_train_step`` step itself, which ``locate_step`` replays in the program
+    traced with the gears as constants, as the Trainer does)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -343,10 +364,14 @@ def build_ladder(rung: str, layout: str, fault: str):
         layers="nan2safe",
         attention="mha" if fp16 else "user",
         attn_dropout=0.1 if fp16 else 0.0,
+        epsilon=0.0 if fault == "zero_norm" else 1e-6,
     )
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     if fp16:
-        set_knob(model, "qk_gain", QK_GAIN, layer=cfg.num_layers // 2)
+        gain = QK_GAIN if level == "fast" else QK_GAIN_STABLE
+        set_knob(model, "qk_gain", gain, layer=cfg.num_layers // 2)
+    if fault == "zero_norm":
+        set_knob(model, "embed_scale", 0.0)
     b, t = r["batch"], r["seq_len"]
     tokens = jax.random.randint(jax.random.key(1), (b, t), 1, cfg.vocab, dtype=jnp.int32)
     mask = jnp.ones((b, t), bool)
@@ -355,9 +380,12 @@ def build_ladder(rung: str, layout: str, fault: str):
     batch = {"tokens": jnp.where(mask, tokens, 0), "mask": mask}
     state = nan2safe.TrainState.create(model, optax.sgd(1e-3), nan2safe.Config())
     step = nan2safe.make_train_step(lm_loss)
+    if level == "stable":
+        gear = nan2safe.gear.set_level(state.gear, nan2safe.Gear.STABLE)
+        return step.jitted, step, (state.replace(gear=gear), batch)
     # Every gear is FAST: the program that runs the step, and that the Trainer replays, is the
     # FAST-only one (nan2safe_jax.programs).
-    return step.jitted_fast, (state, batch)
+    return step.jitted_fast, step.jitted_fast, (state, batch)
 
 
 def _user_line(marker: str) -> str:
@@ -376,11 +404,15 @@ def _maxrss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
 
-def child_ladder(arm: str, rung: str, layout: str, fault: str) -> dict:
+def child_ladder(arm: str, rung: str, layout: str, fault: str, level: str = "fast") -> dict:
+    """One arm: ``plain``, ``locate``, ``nans``, or (at ``level`` stable) ``general``: the
+    general program replayed, what tier 2 did before it replayed the known-gear program."""
     import jax
 
     _rss_guard(RSS_LIMIT_GB)
-    step, args = build_ladder(rung, layout, fault)
+    step, replayed, args = build_ladder(rung, layout, fault, level)
+    if arm == "general":
+        replayed = step
     out: dict = {}
     if arm == "nans":
         jax.config.update("jax_debug_nans", True)
@@ -390,6 +422,11 @@ def child_ladder(arm: str, rung: str, layout: str, fault: str) -> dict:
             prim, src = None, None
         except FloatingPointError as e:
             prim, src = _parse_fpe(e, "transformer.py")
+        except Exception as e:  # noqa: BLE001 - jax's own InternalFloatingPointError (remat)
+            if "FloatingPointError" not in type(e).__name__:
+                raise
+            prim, src = None, None
+            out["raised"] = f"{type(e).__name__}: {str(e)[:200]}"
         out.update(cold_s=time.perf_counter() - t0, primitive=prim, source=src)
         out["rss_gb"] = _maxrss_gb()
         return out
@@ -403,11 +440,11 @@ def child_ladder(arm: str, rung: str, layout: str, fault: str) -> dict:
     from nan2safe_jax import replay
 
     t0 = time.perf_counter()
-    r = replay.locate_step(step, *args)
+    r = replay.locate_step(replayed, *args)
     out["cold_s"] = time.perf_counter() - t0
     out["rss_gb"] = _maxrss_gb()
     t0 = time.perf_counter()
-    r2 = replay.locate_step(step, *args)  # a second incident: traced again, same shapes
+    r2 = replay.locate_step(replayed, *args)  # a second incident: traced again, same shapes
     out["warm_s"] = time.perf_counter() - t0
     out.update(
         primitive=r.primitive,
@@ -426,8 +463,8 @@ def child_ladder(arm: str, rung: str, layout: str, fault: str) -> dict:
     return out
 
 
-def _run_ladder_child(arm: str, rung: str, layout: str, fault: str) -> dict:
-    cmd = [sys.executable, HERE, "--child", arm, rung, layout, fault]
+def _run_ladder_child(arm: str, rung: str, layout: str, fault: str, level: str = "fast") -> dict:
+    cmd = [sys.executable, HERE, "--child", arm, rung, layout, fault, level]
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(HERE)))
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
@@ -439,15 +476,20 @@ def _run_ladder_child(arm: str, rung: str, layout: str, fault: str) -> dict:
     return {"error": (p.stderr or p.stdout)[-800:]}
 
 
-def ladder(rungs: list[str], layouts: list[str], faults: list[str]) -> list[dict]:
+def ladder(
+    rungs: list[str], layouts: list[str], faults: list[str], level: str = "fast"
+) -> list[dict]:
     """Every rung x layout x fault, each arm in its own fresh process."""
     records = []
+    arms = (
+        ("plain", "locate", "nans") if level == "fast" else ("plain", "locate", "general", "nans")
+    )
     for rung in rungs:
         for layout in layouts:
             for fault in faults:
                 rec = {"rung": rung, **RUNGS[rung], "layout": layout, "fault": fault}
-                for arm in ("plain", "locate", "nans"):
-                    rec[arm] = _run_ladder_child(arm, rung, layout, fault)
+                for arm in arms:
+                    rec[arm] = _run_ladder_child(arm, rung, layout, fault, level)
                     print(f"done {rung}/{layout}/{fault}/{arm}", file=sys.stderr, flush=True)
                 lo, na, pl = rec["locate"], rec["nans"], rec["plain"]
                 marker, want_site = LADDER_WHERE[fault]
@@ -467,6 +509,12 @@ def ladder(rungs: list[str], layouts: list[str], faults: list[str]) -> list[dict
                     rec["rss_ratio"] = lo["rss_gb"] / pl["step_rss_gb"]
                 if "cold_s" in lo and "cold_s" in na:
                     rec["time_ratio"] = lo["cold_s"] / na["cold_s"]
+                ge = rec.get("general")
+                if ge is not None:
+                    rec["general_correct"] = (ge.get("primitive"), ge.get("user_source")) == (
+                        lo.get("primitive"),
+                        lo.get("user_source"),
+                    )
                 records.append(rec)
     return records
 
@@ -501,6 +549,33 @@ def print_ladder(records: list[dict]) -> None:
         "first call of the step (compile + run + op-by-op re-run); RSS: peak of each fresh "
         "process; xRSS: locate peak / plain step peak"
     )
+
+
+def markdown_stable(records: list[dict]) -> str:
+    """The README table of the ``--level stable`` ladder (``docs/locate_stable.json``)."""
+    rows = [
+        "| model | layout | fault | plain step (general program) | locate cold | warm | "
+        "locate peak RSS | × step | names (user line) | general program replayed: cold | "
+        "its RSS | same culprit | `jax_debug_nans` cold |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        lo, ge, na, pl = r["locate"], r["general"], r["nans"], r["plain"]
+        err = lo.get("error") or ge.get("error") or na.get("error") or pl.get("error")
+        if err:
+            rows.append(f"| {r['rung']} | {r['layout']} | {r['fault']} | error: {err[-80:]} |")
+            continue
+        model = f"{r['num_layers']}L d{r['d_model']} T{r['seq_len']} B{r['batch']}"
+        names = f"`{lo['primitive']}` ({lo['user_source']}) {'✔' if r['locate_correct'] else '✘'}"
+        if not lo.get("reproducible", True):
+            names = "not reproducible ✘"
+        rows.append(
+            f"| {model} | {r['layout']} | {r['fault']} | {pl['step_s']:.1f} s | "
+            f"{lo['cold_s']:.1f} s | {lo['warm_s']:.2f} s | {lo['rss_gb']:.2f} GB | "
+            f"{r['rss_ratio']:.2f} | {names} | {ge['cold_s']:.1f} s | {ge['rss_gb']:.2f} GB | "
+            f"{'✔' if r.get('general_correct') else '✘'} | {na['cold_s']:.1f} s |"
+        )
+    return "\n".join(rows)
 
 
 def markdown_ladder(records: list[dict]) -> str:
@@ -550,8 +625,15 @@ def main() -> None:
     ap.add_argument("--suite", choices=("ladder", "faults"), default="ladder")
     ap.add_argument("--rungs", default="demo,4x256", help=f"ladder rungs of {list(RUNGS)}")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
-    ap.add_argument("--faults", default=",".join(LADDER_FAULTS))
+    ap.add_argument("--faults", default=",".join(LADDER_DEFAULT), help=f"of {list(LADDER_FAULTS)}")
     ap.add_argument("--quick", action="store_true", help="faults suite: unrolled variant only")
+    ap.add_argument(
+        "--level",
+        choices=("fast", "stable"),
+        default="fast",
+        help="ladder: the state's level (stable: after tier 1's downshift; default JSON "
+        "docs/locate_stable.json)",
+    )
     ap.add_argument(
         "--merge",
         action="store_true",
@@ -562,13 +644,15 @@ def main() -> None:
     )
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    default = "locate.json" if a.level == "fast" else "locate_stable.json"
     if a.markdown:
-        path = a.json or os.path.join(os.path.dirname(os.path.dirname(HERE)), "docs", "locate.json")
+        path = a.json or os.path.join(os.path.dirname(os.path.dirname(HERE)), "docs", default)
+        render = markdown_ladder if a.level == "fast" else markdown_stable
         with open(path) as f:
-            print(markdown_ladder(json.load(f)["ladder"]))
+            print(render(json.load(f)["ladder"]))
         return
     if a.child:
-        if len(a.child) == 4:
+        if len(a.child) in (4, 5):
             print(json.dumps(child_ladder(*a.child)))
             return
         kind, variant, fault = a.child
@@ -576,8 +660,8 @@ def main() -> None:
         print(json.dumps(fn(variant, fault)))
         return
     if a.suite == "ladder":
-        records = ladder(a.rungs.split(","), a.layouts.split(","), a.faults.split(","))
-        path = a.json or os.path.join(os.path.dirname(os.path.dirname(HERE)), "docs", "locate.json")
+        records = ladder(a.rungs.split(","), a.layouts.split(","), a.faults.split(","), a.level)
+        path = a.json or os.path.join(os.path.dirname(os.path.dirname(HERE)), "docs", default)
         cmd = "python benchmarks/locate.py " + " ".join(sys.argv[1:])
         commands = [cmd]
         if a.merge and os.path.exists(path):
@@ -589,7 +673,10 @@ def main() -> None:
             commands = old.get("commands", []) + commands
         order = {k: i for i, k in enumerate(RUNGS)}
         records.sort(key=lambda r: (order.get(r["rung"], 99), r["layout"], r["fault"]))
-        print_ladder(records)
+        if a.level == "fast":
+            print_ladder(records)
+        else:
+            print(markdown_stable(records))
         with open(path, "w") as f:
             doc = {"commands": commands, "ladder": records, "rss_limit_gb": RSS_LIMIT_GB}
             json.dump(doc, f, indent=1)

@@ -113,6 +113,12 @@ def _locate(data: dict) -> str:
     return locate.markdown_ladder(data["ladder"])
 
 
+def _locate_stable(data: dict) -> str:
+    import locate
+
+    return locate.markdown_stable(data["ladder"])
+
+
 def _false_alarms(doc: dict) -> str:
     import false_alarms
 
@@ -153,10 +159,14 @@ TABLES: dict[str, tuple[str, Callable, Callable]] = {
     "zoo_lr_cut": ("docs/zoo_lr_cut.json", _zoo, _zoo_command),
     "ops": ("docs/ops.json", _ops, _ops_command),
     "locate": ("docs/locate.json", _locate, _locate_command),
+    "locate_stable": ("docs/locate_stable.json", _locate_stable, _locate_command),
     "false_alarms": ("docs/false_alarms.json", _false_alarms, _false_alarms_command),
     "probe_set": ("docs/probe_set.json", _probe_set, lambda rec, path: rec["command"]),
 }
-MARKDOWN = {"locate"}  # renderers that return a markdown table, not preformatted text
+MARKDOWN = {
+    "locate",
+    "locate_stable",
+}  # renderers that return a markdown table, not preformatted text
 MERGED = {"false_alarms", "overhead_restart"}  # JSONs that runs merge into, a command each
 
 

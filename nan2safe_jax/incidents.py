@@ -37,11 +37,11 @@ import jax
 import numpy as np
 
 from nan2safe_jax import gear as gear_lib
-from nan2safe_jax import replay
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear, GearState
 from nan2safe_jax.numerics import _is_key, first_nonfinite
 from nan2safe_jax.replay import _jax_compat as jc
+from nan2safe_jax.replay.locate import locate_replayed
 from nan2safe_jax.replay.nearest import nearest_site
 from nan2safe_jax.replay.report import Report, array_stats, channel_scan
 
@@ -256,8 +256,9 @@ def decide(step_fn, before, batch, after, metrics: dict, cfg: Config) -> Decisio
     """Tier 2: classifies the failing step and decides what to do.
 
     Args:
-      step_fn: the jitted step without shardings (``make_train_step(...).jitted``): what the
-        replay traces.
+      step_fn: the ``make_train_step`` step (tier 2 replays the programs
+        ``programs.replay_programs`` gives for ``before``), or a jitted step without shardings
+        (``make_train_step(...).jitted``: that program is replayed).
       before: the state the failing step started from (whole arrays: gather it under sharding).
       batch: its batch (whole arrays).
       after: the state the step returned (its gears are the base of the new ones).
@@ -285,7 +286,7 @@ def decide(step_fn, before, batch, after, metrics: dict, cfg: Config) -> Decisio
             action="skipped the batch: it holds no rows (data, not model)",
             revert=True,
         )
-    report = replay.locate_step(step_fn, before, batch)
+    report, step_fn = locate_replayed(step_fn, before, batch)
     if not report.reproducible:
         return Decision("transient", report, action="replay stayed finite: step skipped")
     if report.primitive is None:  # an argument was non-finite after all (e.g. an aux input)

@@ -49,7 +49,15 @@ import numpy as np
 
 from nan2safe_jax import gear as gear_lib
 
-__all__ = ["StepPrograms", "all_fast", "background_default", "fast_sites", "program_for"]
+__all__ = [
+    "StepPrograms",
+    "all_fast",
+    "background_default",
+    "fast_sites",
+    "known_gears",
+    "program_for",
+    "replay_programs",
+]
 
 
 def background_default() -> bool:
@@ -81,6 +89,48 @@ def program_for(step: Any, state: Any) -> Any:
     fast = getattr(step, "jitted_fast", None)
     gear = getattr(state, "gear", None)
     return fast if fast is not None and gear is not None and all_fast(gear) else jitted
+
+
+def known_gears(gs: gear_lib.GearState) -> tuple[tuple[str, int], ...]:
+    """``((site, gear), ...)``: each site's effective gear (``gear.effective``), read on the host,
+    for the sites whose layers all share one; a stacked site whose layers differ is left out.
+    The key of a replay program (``replay_programs``)."""
+    level, sites = jax.device_get((gs.level, gear_lib.SiteValues.of(gs.sites)))
+    level = int(np.max(np.asarray(level)))
+    out = []
+    for name, g in sites.items():
+        eff = np.unique(np.maximum(np.asarray(g), level))
+        if eff.size == 1:
+            out.append((name, int(eff[0])))
+    return tuple(out)
+
+
+def replay_programs(step: Any, state: Any) -> list[Any]:
+    """The programs tier 2 replays a ``make_train_step`` step's failing ``state`` in, in order:
+    the FAST-only one for an all-FAST state; else one traced with the state's own gears as
+    constants (``step.jitted_known``: one path per op, as the FAST-only program has), then the
+    general one, which the step ran, if the first does not reproduce the failure.
+
+    The general program computes FAST at every gear and drops it, and a replay instruments each
+    path it holds: on a 2-layer fp16 decoder after tier 1's downshift, its first (cold) locate
+    took 91 s, against 15 s at FAST. Anything else than such a step is returned alone.
+
+    Args:
+      step: a ``make_train_step`` result, or any function.
+      state: the ``TrainState`` the step failed on.
+
+    Returns:
+      One to two functions of ``(state, batch)``.
+    """
+    program = program_for(step, state)
+    known = getattr(step, "jitted_known", None)
+    if program is getattr(step, "jitted_fast", None) or known is None:
+        return [program]
+    gear = getattr(state, "gear", None)
+    if gear is None:
+        return [program]
+    first = known(known_gears(gear))
+    return [program] if first is program else [first, program]
 
 
 def all_fast(gs: gear_lib.GearState) -> bool:

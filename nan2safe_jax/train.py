@@ -170,7 +170,10 @@ TrainState.replace = _replace  # after the class: flax's dataclass sets its own 
 
 
 def _site_state(
-    state: TrainState, fast_only: bool = False, fast_sites: frozenset[str] | None = None
+    state: TrainState,
+    fast_only: bool = False,
+    fast_sites: frozenset[str] | None = None,
+    known_gears: tuple[tuple[str, int], ...] | None = None,
 ) -> nnx.State:
     """The model's site variables for a step: every gear variable set to its effective gear,
     every probe zeros (the forward writes the ones it computes).
@@ -180,16 +183,23 @@ def _site_state(
     ``fast_sites`` (a partial program): those sites' gear variables do, and every other site's
     holds its gear as ``ops.dispatch.switched_gear`` (one plain switch: only the taken path
     runs).
+    ``known_gears`` (a replay program, ``programs.known_gears``): each named site's gear
+    variable holds ``ops.dispatch.known_gear`` of its gear (that path alone, no switch); any
+    other site's holds its gear as ``switched_gear``.
     """
     site = state.site_template.zeros()
     model = nnx.merge(state.graphdef, state.params, site, state.rest, copy=True)
+    known = dict(known_gears) if known_gears is not None else None
     for name, var in site_gears(model).items():
-        if fast_only or (fast_sites is not None and name in fast_sites):
+        if known is not None and name in known:
+            var.set_value(dispatch.known_gear(known[name], jnp.shape(var.get_value())))
+        elif fast_only or (fast_sites is not None and name in fast_sites):
             var.set_value(dispatch.fast_only_gear(jnp.shape(var.get_value())))
         elif name in state.gear.sites:
             eff = gear_lib.effective(state.gear, name)
             eff = jnp.broadcast_to(eff, jnp.shape(var.get_value())).astype(jnp.int32)
-            var.set_value(eff if fast_sites is None else dispatch.switched_gear(eff))
+            switched = fast_sites is not None or known is not None
+            var.set_value(dispatch.switched_gear(eff) if switched else eff)
     return nnx.split(model, nnx.Param, SITE_VARIABLES, ...)[2]
 
 
@@ -289,6 +299,7 @@ def train_step(
     has_aux: bool = False,
     fast_only: bool = False,
     fast_sites: frozenset[str] | None = None,
+    known_gears: tuple[tuple[str, int], ...] | None = None,
     partitioned: bool = False,
     large_sum: Callable | None = None,
     replicated: Callable | None = None,
@@ -306,6 +317,10 @@ def train_step(
     these sites are FAST while the other sites are not (one site in SAFE after an incident):
     these sites run their FAST path as plain code, the others one plain switch per op (only
     the taken path runs), and the gear logic is the general step's (``nan2safe_jax.programs``).
+
+    ``known_gears`` (without ``fast_only``): tier 2's replay program for one state
+    (``programs.known_gears`` of its gears): each named site runs the path of its gear as plain
+    code, with no switch, and the gear logic is the general step's.
 
     ``partitioned``: the step is for a program sharded over devices (``make_train_step``
     passes it with a mesh or rules): probes reduce in the form XLA's SPMD partitioner
@@ -336,12 +351,13 @@ def train_step(
                 has_aux,
                 fast_only,
                 fast_sites,
+                known_gears,
                 large_sum=large_sum,
                 replicated=replicated,
             )
     cfg = state.cfg
     gs = gear_lib.known_fast(state.gear) if fast_only else state.gear
-    site = _site_state(state, fast_only, fast_sites)
+    site = _site_state(state, fast_only, fast_sites, known_gears)
     scale = guard_lib.loss_scale_of(state.opt_state)
     # Reductions over the batch's floating leaves; under sharding global reductions in the one
     # SPMD program, so every process reads the same verdict (``polluted`` below).
@@ -769,8 +785,18 @@ def make_train_step(
         for p in programs:
             p.wait()
 
+    known: dict[tuple, Callable] = {}
+
+    def jitted_known(gears: tuple[tuple[str, int], ...]) -> Callable:
+        """The step jitted for a state whose site gears are ``gears`` (``programs.known_gears``):
+        what tier 2 replays for a state that is not all FAST (one per gear set, kept)."""
+        if gears not in known:
+            known[gears] = jax.jit(functools.partial(fn, known_gears=gears)) if jit else fn
+        return known[gears]
+
     step.jitted = compiled
     step.jitted_fast = compiled_fast
+    step.jitted_known = jitted_known
     step.programs = programs  # the StepPrograms made so far (one per sharding layout)
     step.rules = rules
     step.wait_compiled = wait_compiled

@@ -872,9 +872,8 @@ class Trainer:
 
     def _decide(self, done: _Step, m: dict, inputs: tuple) -> incidents.Decision:
         before, batch = inputs
-        # Replay the program that ran the step: the FAST-only one for an all-FAST state.
-        program = programs.program_for(self.step_fn, before)
-        return incidents.decide(program, before, batch, done.after, m, self.cfg)
+        # The step itself: tier 2 replays the programs ``programs.replay_programs`` picks.
+        return incidents.decide(self.step_fn, before, batch, done.after, m, self.cfg)
 
     def _incident(self, done: _Step, m: dict, decided=None) -> _Restart | None:
         """Tier 2 for one failing step: decide, log, act. See ``nan2safe_jax.incidents``.

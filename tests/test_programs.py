@@ -172,6 +172,23 @@ def test_a_fast_only_gear_traces_no_switch_even_sliced_inside_scan_or_an_inner_j
     assert float(jax.core.eval_jaxpr(fast.jaxpr, fast.consts, x, np.zeros(3, np.uint8))[0]) == 8
     out = jax.core.eval_jaxpr(general.jaxpr, general.consts, x, jnp.full((3,), 2, jnp.int32))
     assert float(out[0]) == 64.0
+    for g in (Gear.FAST, Gear.STABLE, Gear.SAFE):  # a known gear: that branch alone, every layer
+        gears = dispatch.known_gear(g, (3,))
+        known = jax.make_jaxpr(f)(x, gears)
+        assert _conds(known) == 0
+        out = jax.core.eval_jaxpr(known.jaxpr, known.consts, x, gears)
+        assert float(out[0]) == (2.0 + g) ** 3
+
+
+def test_known_gears_are_each_sites_effective_gear_where_its_layers_agree():
+    """The key of tier 2's replay program: the stricter of level and site gear, per site; a
+    stacked site whose layers differ is left out (it keeps a switch)."""
+    gs = G.GearState.create({"emb": (), "blocks": (3,), "head": ()})
+    assert programs.known_gears(gs) == (("emb", 0), ("blocks", 0), ("head", 0))
+    gs = G.set_site(G.set_level(gs, Gear.STABLE), "head", Gear.SAFE)
+    assert programs.known_gears(gs) == (("emb", 1), ("blocks", 1), ("head", 2))
+    gs = G.set_site(G.set_level(gs, Gear.FAST), "blocks", Gear.SAFE, index=1)
+    assert programs.known_gears(gs) == (("emb", 0), ("head", 2))
 
 
 def test_one_site_out_of_fast_runs_a_partial_program_with_the_general_programs_numbers(
@@ -308,3 +325,52 @@ def test_locate_step_takes_the_step_make_train_step_returns():
     moved = state.replace(gear=G.set_level(state.gear, Gear.STABLE))
     assert programs.program_for(step, moved) is step.jitted
     assert programs.program_for(lf, state) is lf  # any other function: as it is
+    assert programs.replay_programs(step, state) == [step.jitted_fast]
+
+
+def test_out_of_fast_tier_2_replays_the_step_with_its_gears_as_constants():
+    """Out of FAST, tier 2 replays the step traced with the state's gears as constants (one
+    path per op, no switch: the general program computes FAST too, and instruments every
+    path), then the general program if that one does not fail. Both name the same culprit."""
+    from nan2safe_jax import replay
+
+    step = make_train_step(loss_fn)
+    state = _state(jnp.float16)
+    moved = state.replace(gear=G.set_level(state.gear, Gear.STABLE))
+    x, y = data(1)
+    bad = (x[0] * 3e4, y[0])  # fc1's f16 matmul overflows at every gear but SAFE
+    known = step.jitted_known(programs.known_gears(moved.gear))
+    assert programs.replay_programs(step, moved) == [known, step.jitted]
+    stable, replayed = replay.locate_replayed(step, moved, bad)
+    general = replay.locate_step(step.jitted, moved, bad)
+    assert replayed is known and stable.reproducible
+    assert (stable.primitive, stable.site, stable.source, stable.diagnosis) == (
+        general.primitive,
+        general.site,
+        general.source,
+        general.diagnosis,
+    )
+    assert not any(isinstance(e, tuple) and e[0] == "branch" for e in stable.eqn_path)
+    assert any(isinstance(e, tuple) and e[0] == "branch" for e in general.eqn_path)
+
+
+def test_a_known_gear_replay_that_stays_finite_falls_back_to_the_general_program(monkeypatch):
+    """Should the program traced with the gears as constants not fail where the step did (XLA
+    may compile it differently), the general program, which ran the step, is replayed."""
+    from nan2safe_jax import replay
+
+    step = make_train_step(loss_fn)
+    state = _state(jnp.float16)
+    state = state.replace(gear=G.set_level(state.gear, Gear.STABLE))
+    x, y = data(1)
+    bad, good = (x[0] * 3e4, y[0]), (x[0], y[0])
+
+    def finite(s, b):  # a stand-in for a known-gear program that stays finite
+        return step.jitted(s, good)
+
+    monkeypatch.setattr(step, "jitted_known", lambda gears: finite)
+    report, replayed = replay.locate_replayed(step, state, bad)
+    assert replayed is step.jitted and report.reproducible
+    assert (report.primitive, report.site) == ("convert_element_type", "fc1")
+    alone = replay.locate_step(step.jitted, state, bad)
+    assert report.replays > alone.replays  # the finite replay is counted too

@@ -15,6 +15,12 @@ program (``nan2safe_jax.programs``) this way for a state whose gears are all FAS
 marker survives ``nnx.scan``'s per-layer slicing and an inner ``jax.jit`` (whose trace caches key
 on it: an inner function traced for the FAST-only program is never reused by the general one).
 
+A gear of dtype ``KNOWN_STABLE`` (uint16) or ``KNOWN_SAFE`` (uint32; ``known_gear``) is that gear,
+known at trace time in the same way: the switch calls that branch directly, so a program traced
+for one state's gears holds one path per op and no switch. Tier 2 replays such a program for a
+state whose gears are not all FAST (``programs.replay_programs``): the general program computes
+FAST too at every other gear, and instruments every path.
+
 A gear of dtype ``SWITCHED`` (int16; ``switched_gear``) is a traced gear expected *not* to be
 FAST: the switch is a plain ``lax.switch`` over the distinct paths, so only the taken path runs,
 forward and backward (no FAST computed and dropped, no second forward in the backward). A
@@ -45,12 +51,23 @@ from nan2safe_jax.site import current_branch_site, scoped
 FAST_ONLY = np.dtype(np.uint8)  # the dtype of a gear that is FAST, known at trace time
 
 
+KNOWN_STABLE = np.dtype(np.uint16)  # the dtype of a gear that is STABLE, known at trace time
+KNOWN_SAFE = np.dtype(np.uint32)  # the dtype of a gear that is SAFE, known at trace time
+_KNOWN = {FAST_ONLY: 0, KNOWN_STABLE: 1, KNOWN_SAFE: 2}
+
 SWITCHED = np.dtype(np.int16)  # the dtype of a traced gear switched by a plain lax.switch
 
 
 def fast_only_gear(shape: Sequence[int] = ()) -> np.ndarray:
     """A gear of ``shape`` that every ``switch`` traces as FAST alone (see the module doc)."""
     return np.zeros(tuple(shape), FAST_ONLY)
+
+
+def known_gear(gear: int, shape: Sequence[int] = ()) -> np.ndarray:
+    """A gear of ``shape`` holding ``gear`` (0, 1 or 2), which every ``switch`` traces as that
+    gear's path alone (see the module doc); ``fast_only_gear`` for 0."""
+    dtype = next(d for d, g in _KNOWN.items() if g == int(gear))
+    return np.full(tuple(shape), int(gear), dtype)
 
 
 def switched_gear(gear: jax.typing.ArrayLike) -> jax.Array:
@@ -103,8 +120,9 @@ def switch(gear: Any, branches: Sequence[Callable[..., Any]], *operands: Any) ->
       ValueError: a gear that is not an integer (a float, a bool), a concrete one outside the
         branches, or a gear that is not a scalar.
     """
-    if getattr(gear, "dtype", None) == FAST_ONLY:
-        return branches[0](*operands)
+    known = _KNOWN.get(getattr(gear, "dtype", None))
+    if known is not None:
+        return branches[min(known, len(branches) - 1)](*operands)
     dtype = gear.dtype if hasattr(gear, "dtype") else np.asarray(gear).dtype
     if isinstance(gear, (bool, np.bool_)) or not jnp.issubdtype(dtype, jnp.integer):
         raise ValueError(f"gear must be an integer (Gear.FAST/STABLE/SAFE), got {gear!r}")

@@ -48,8 +48,14 @@ class ReplayCache:
 
     def _fingerprint(self, closed: Any) -> str:
         jaxpr, _ = jc.open_jaxpr(closed)
-        # A jitted step traces to one call equation whose body jaxpr is cached by JAX: use it.
-        inner = jaxpr.eqns[0].params.get("jaxpr") if len(jaxpr.eqns) == 1 else None
+        # A jitted step traces to one call equation whose body jaxpr is cached by JAX: use it,
+        # when it is the whole program (a function around the jitted step that passes it a
+        # closed-over array calls the same body with other operands: another program).
+        inner = None
+        if len(jaxpr.eqns) == 1 and not jaxpr.constvars:
+            eqn = jaxpr.eqns[0]
+            if list(eqn.invars) == list(jaxpr.invars) and list(eqn.outvars) == list(jaxpr.outvars):
+                inner = eqn.params.get("jaxpr")
         anchor = inner if inner is not None else jaxpr
         hit = self._by_id.get(id(anchor))
         if hit is not None and hit[0] is anchor:

@@ -17,6 +17,7 @@ reproduces the production step's non-finite outputs before it names anything.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Sequence
@@ -42,7 +43,7 @@ from nan2safe_jax.replay.report import (
 from nan2safe_jax.replay.search import Found, Session, first_flagged, search
 from nan2safe_jax.site import site_from_name_stack
 
-__all__ = ["locate", "locate_step"]
+__all__ = ["locate", "locate_replayed", "locate_step"]
 
 _CODE_NAMES = {0: "finite", 1: "inf", 2: "nan"}
 
@@ -368,10 +369,12 @@ def locate_step(step_fn: Any, *args: Any, check: bool = True) -> Report:
     is run once more and the replay must reproduce which of its outputs are finite, inf or NaN.
 
     Args:
-      step_fn: the (jitted) step; a ``make_train_step`` step replays the program it runs for
-        ``args[0]`` (``programs.program_for``: FAST-only or general).
+      step_fn: the (jitted) step; a ``make_train_step`` step replays the programs
+        ``programs.replay_programs`` gives for ``args[0]``: the FAST-only one for an all-FAST
+        state; else the step traced with the state's gears as constants, then, if that does
+        not reproduce the failure, the general one.
       *args: its arguments.
-      check: run the fidelity check (one extra call of ``step_fn``).
+      check: run the fidelity check (one extra call of the program).
 
     Returns:
       The ``Report`` of ``locate``. When the replay's outputs differ from production's, a report
@@ -381,13 +384,33 @@ def locate_step(step_fn: Any, *args: Any, check: bool = True) -> Report:
       returns None for a clean function: ``locate_step`` is called because a step *was* seen to
       fail).
     """
+    return locate_replayed(step_fn, *args, check=check)[0]
+
+
+def locate_replayed(step_fn: Any, *args: Any, check: bool = True) -> tuple[Report, Any]:
+    """``locate_step``, and the program its report indexes (``Report.eqn_path``; what
+    ``replay.nearest_site`` must trace): the last one replayed.
+
+    The fidelity check compares every replay with the outputs of the program that ran the
+    step (the general one out of FAST), so a known-gear replay that differs from it (XLA
+    compiled the fault away, or into another output) gives way to the general program's."""
     t0 = time.perf_counter()
-    if args:
-        step_fn = programs.program_for(step_fn, args[0])
-    jaxpr = jax.make_jaxpr(step_fn)(*args)
-    expected = _production_codes(step_fn, jaxpr, args) if check else None
-    report, sess = _run(jaxpr, args, expected)
-    if report is not None:
-        return report
-    why = "a replay of the step from the same inputs produced only finite values"
-    return _not_reproducible(why, sess, t0)
+    candidates = programs.replay_programs(step_fn, args[0]) if args else [step_fn]
+    # The last program is the one that ran the step: its outputs are what every replay must
+    # reproduce (it is warm: it has just run, compiled by its jit or loaded from the cache).
+    production = candidates[-1]
+    traced = jax.make_jaxpr(production)(*args) if check else None
+    expected = _production_codes(production, traced, args) if check else None
+    replays = 0
+    for k, program in enumerate(candidates):
+        jaxpr = traced if program is production and check else jax.make_jaxpr(program)(*args)
+        report, sess = _run(jaxpr, args, expected)
+        replays += sess.replays
+        if report is not None and (report.reproducible or k == len(candidates) - 1):
+            break
+    else:
+        why = "a replay of the step from the same inputs produced only finite values"
+        report = _not_reproducible(why, sess, t0)
+    if k:  # the first program did not reproduce the failure: count every replay
+        report = dataclasses.replace(report, replays=replays, seconds=time.perf_counter() - t0)
+    return report, program
