@@ -328,17 +328,18 @@ def test_locate_step_takes_the_step_make_train_step_returns():
     assert programs.replay_programs(step, state) == [step.jitted_fast]
 
 
-def test_out_of_fast_tier_2_replays_the_step_with_its_gears_as_constants():
+def test_out_of_fast_tier_2_replays_the_step_with_its_gears_as_constants(monkeypatch):
     """Out of FAST, tier 2 replays the step traced with the state's gears as constants (one
     path per op, no switch: the general program computes FAST too, and instruments every
-    path), then the general program if that one does not fail. Both name the same culprit."""
+    path). Both name the same culprit. Should that program not fail where the step did (XLA
+    may compile it differently), the general program, which ran the step, is replayed."""
     from nan2safe_jax import replay
 
     step = make_train_step(loss_fn)
     state = _state(jnp.float16)
     moved = state.replace(gear=G.set_level(state.gear, Gear.STABLE))
     x, y = data(1)
-    bad = (x[0] * 3e4, y[0])  # fc1's f16 matmul overflows at every gear but SAFE
+    bad, good = (x[0] * 3e4, y[0]), (x[0], y[0])  # fc1's f16 matmul overflows but in SAFE
     known = step.jitted_known(programs.known_gears(moved.gear))
     assert programs.replay_programs(step, moved) == [known, step.jitted]
     stable, replayed = replay.locate_replayed(step, moved, bad)
@@ -350,27 +351,19 @@ def test_out_of_fast_tier_2_replays_the_step_with_its_gears_as_constants():
         general.source,
         general.diagnosis,
     )
+    assert (stable.primitive, stable.site) == ("convert_element_type", "fc1")
     assert not any(isinstance(e, tuple) and e[0] == "branch" for e in stable.eqn_path)
     assert any(isinstance(e, tuple) and e[0] == "branch" for e in general.eqn_path)
-
-
-def test_a_known_gear_replay_that_stays_finite_falls_back_to_the_general_program(monkeypatch):
-    """Should the program traced with the gears as constants not fail where the step did (XLA
-    may compile it differently), the general program, which ran the step, is replayed."""
-    from nan2safe_jax import replay
-
-    step = make_train_step(loss_fn)
-    state = _state(jnp.float16)
-    state = state.replace(gear=G.set_level(state.gear, Gear.STABLE))
-    x, y = data(1)
-    bad, good = (x[0] * 3e4, y[0]), (x[0], y[0])
 
     def finite(s, b):  # a stand-in for a known-gear program that stays finite
         return step.jitted(s, good)
 
     monkeypatch.setattr(step, "jitted_known", lambda gears: finite)
-    report, replayed = replay.locate_replayed(step, state, bad)
+    report, replayed = replay.locate_replayed(step, moved, bad)
     assert replayed is step.jitted and report.reproducible
-    assert (report.primitive, report.site) == ("convert_element_type", "fc1")
-    alone = replay.locate_step(step.jitted, state, bad)
-    assert report.replays > alone.replays  # the finite replay is counted too
+    assert (report.primitive, report.site, report.eqn_path) == (
+        general.primitive,
+        general.site,
+        general.eqn_path,
+    )
+    assert report.replays > general.replays  # the finite program's replays are counted too
