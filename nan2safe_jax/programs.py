@@ -53,6 +53,7 @@ __all__ = [
     "StepPrograms",
     "all_fast",
     "background_default",
+    "compiled_programs",
     "fast_sites",
     "known_gears",
     "program_for",
@@ -109,7 +110,9 @@ def replay_programs(step: Any, state: Any) -> list[Any]:
     """The programs tier 2 replays a ``make_train_step`` step's failing ``state`` in, in order:
     the FAST-only one for an all-FAST state; else one traced with the state's own gears as
     constants (``step.jitted_known``: one path per op, as the FAST-only program has), then the
-    general one, which the step ran, if the first does not reproduce the failure.
+    general one (which ran the step, or computes what the partial program that ran it did), if
+    the first does not reproduce the failure. A step built with ``jit=False`` has no
+    known-gear program.
 
     The general program computes FAST at every gear and drops it, and a replay instruments each
     path it holds: on a 2-layer fp16 decoder after tier 1's downshift, its first (cold) locate
@@ -131,6 +134,23 @@ def replay_programs(step: Any, state: Any) -> list[Any]:
         return [program]
     first = known(known_gears(gear))
     return [program] if first is program else [first, program]
+
+
+def compiled_programs(step: Any, program: Any) -> list[Any]:
+    """The executables a ``make_train_step`` step compiled in the background for ``program``
+    (its ``jitted`` or ``jitted_fast``), one per sharding layout that has one: what ran the
+    step when the background compile built it first. Calling ``program`` itself would compile
+    it once more (its jit never ran), which at the GPT-2-small shape costs as much as the
+    step's first compile. Empty for anything else."""
+    fast = program is getattr(step, "jitted_fast", None)
+    if not fast and program is not getattr(step, "jitted", None):
+        return []
+    out = []
+    for runner in getattr(step, "programs", None) or ():
+        exe = runner.executable(fast)
+        if exe is not None:
+            out.append(exe)
+    return out
 
 
 def all_fast(gs: gear_lib.GearState) -> bool:
@@ -267,6 +287,12 @@ class StepPrograms:
 
         self._aot[key] = future
         threading.Thread(target=build, name="nan2safe-compile").start()
+
+    def executable(self, fast: bool) -> Any:
+        """The FAST-only (or general) program's background-compiled executable, or None (not
+        built, still compiling, or failed)."""
+        future = self._aot.get(fast)
+        return future.result() if future is not None and future.done() else None
 
     def lower(self, state: Any, batch: Any, fast: bool = True) -> Any:
         """``jax.stages.Lowered`` of the FAST-only (or general) program for these arguments:

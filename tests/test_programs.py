@@ -331,18 +331,24 @@ def test_locate_step_takes_the_step_make_train_step_returns():
 def test_out_of_fast_tier_2_replays_the_step_with_its_gears_as_constants(monkeypatch):
     """Out of FAST, tier 2 replays the step traced with the state's gears as constants (one
     path per op, no switch: the general program computes FAST too, and instruments every
-    path). Both name the same culprit. Should that program not fail where the step did (XLA
-    may compile it differently), the general program, which ran the step, is replayed."""
+    path). Both name the same culprit. The fidelity check runs the executable that ran the
+    step (the background compile's), not a compile of it anew. Should that program not fail
+    where the step did (XLA may compile it differently), the general program is replayed."""
     from nan2safe_jax import replay
 
+    monkeypatch.setenv("NAN2SAFE_BACKGROUND_COMPILE", "1")
     step = make_train_step(loss_fn)
-    state = _state(jnp.float16)
-    moved = state.replace(gear=G.set_level(state.gear, Gear.STABLE))
-    x, y = data(1)
+    x, y = data(2)
     bad, good = (x[0] * 3e4, y[0]), (x[0], y[0])  # fc1's f16 matmul overflows but in SAFE
+    state, _ = step(_state(jnp.float16), (x[1], y[1]))
+    step.wait_compiled()
+    moved = state.replace(gear=G.set_level(state.gear, Gear.STABLE))
+    _, m = step(moved, bad)
+    assert _program(step) == "general" and not bool(m["finite"])
     known = step.jitted_known(programs.known_gears(moved.gear))
     assert programs.replay_programs(step, moved) == [known, step.jitted]
     stable, replayed = replay.locate_replayed(step, moved, bad)
+    assert step.jitted._cache_size() == 0  # the general program was not compiled again
     general = replay.locate_step(step.jitted, moved, bad)
     assert replayed is known and stable.reproducible
     assert (stable.primitive, stable.site, stable.source, stable.diagnosis) == (

@@ -346,9 +346,12 @@ def _out_codes(leaves: list) -> Any:
     return jnp.stack(codes) if codes else jnp.zeros((0,), jnp.int8)
 
 
-def _production_codes(step_fn: Any, jaxpr: Any, args: tuple) -> np.ndarray:
-    """Codes of the production step's outputs on ``args`` (one call of ``step_fn``; arguments it
-    donates are copied first so the replays can still read them)."""
+def _production_codes(
+    step_fn: Any, jaxpr: Any, args: tuple, compiled: Sequence[Any] = ()
+) -> np.ndarray:
+    """Codes of the production step's outputs on ``args`` (one call of ``step_fn``, or of the
+    first of its ``compiled`` executables that takes ``args``; arguments it donates are copied
+    first so the replays can still read them)."""
     donated = ()
     top, _ = jc.open_jaxpr(jaxpr)
     if len(top.eqns) == 1:
@@ -357,7 +360,14 @@ def _production_codes(step_fn: Any, jaxpr: Any, args: tuple) -> np.ndarray:
         leaves, treedef = jax.tree_util.tree_flatten(args)
         leaves = [jnp.copy(x) if d else x for x, d in zip(leaves, donated, strict=False)]
         args = jax.tree_util.tree_unflatten(treedef, leaves)
-    outs = jax.tree_util.tree_leaves(step_fn(*args))
+    for exe in compiled:
+        try:
+            outs = jax.tree_util.tree_leaves(exe(*args))
+            break
+        except (TypeError, ValueError):  # built for other shapes or shardings
+            continue
+    else:
+        outs = jax.tree_util.tree_leaves(step_fn(*args))
     return np.asarray(_out_codes(outs))
 
 
@@ -391,16 +401,20 @@ def locate_replayed(step_fn: Any, *args: Any, check: bool = True) -> tuple[Repor
     """``locate_step``, and the program its report indexes (``Report.eqn_path``; what
     ``replay.nearest_site`` must trace): the last one replayed.
 
-    The fidelity check compares every replay with the outputs of the program that ran the
-    step (the general one out of FAST), so a known-gear replay that differs from it (XLA
-    compiled the fault away, or into another output) gives way to the general program's."""
+    The fidelity check compares every replay with the outputs of the general program out of
+    FAST (what ran the step, or, once a partial program ran it, what computes the same), so a
+    known-gear replay that differs from it (XLA compiled the fault away, or into another
+    output) gives way to the general program's. ``Report.seconds`` is the whole call's time.
+    A step built with ``jit=False`` has no known-gear program: its general one is replayed."""
     t0 = time.perf_counter()
     candidates = programs.replay_programs(step_fn, args[0]) if args else [step_fn]
-    # The last program is the one that ran the step: its outputs are what every replay must
-    # reproduce (it is warm: it has just run, compiled by its jit or loaded from the cache).
+    # The last program is the one that ran the step (or, for a partial program's step, computes
+    # what it computed): its outputs are what every replay must reproduce. Its executable from
+    # the background compile, when that ran the step, is run again rather than compiled anew.
     production = candidates[-1]
     traced = jax.make_jaxpr(production)(*args) if check else None
-    expected = _production_codes(production, traced, args) if check else None
+    compiled = programs.compiled_programs(step_fn, production) if check else []
+    expected = _production_codes(production, traced, args, compiled) if check else None
     replays = 0
     for k, program in enumerate(candidates):
         jaxpr = traced if program is production and check else jax.make_jaxpr(program)(*args)
@@ -411,6 +425,6 @@ def locate_replayed(step_fn: Any, *args: Any, check: bool = True) -> tuple[Repor
     else:
         why = "a replay of the step from the same inputs produced only finite values"
         report = _not_reproducible(why, sess, t0)
-    if k:  # the first program did not reproduce the failure: count every replay
-        report = dataclasses.replace(report, replays=replays, seconds=time.perf_counter() - t0)
+    # Every replay, and the whole time (the trace and the production run included).
+    report = dataclasses.replace(report, replays=replays, seconds=time.perf_counter() - t0)
     return report, program
