@@ -29,7 +29,7 @@ from nan2safe_jax.config import Config
 from nan2safe_jax.detector import DetectorState
 from nan2safe_jax.gear import Gear, GearState
 from nan2safe_jax.ops import dispatch
-from nan2safe_jax.programs import StepPrograms
+from nan2safe_jax.programs import MAX_KNOWN, StepPrograms
 from nan2safe_jax.site import (
     SITE_VARIABLES,
     Probe,
@@ -787,10 +787,15 @@ def make_train_step(
 
     known: dict[tuple, Callable] = {}
 
-    def jitted_known(gears: tuple[tuple[str, int], ...]) -> Callable:
+    def jitted_known(gears: tuple[tuple[str, int], ...]) -> Callable | None:
         """The step jitted for a state whose site gears are ``gears`` (``programs.known_gears``):
-        what tier 2 replays for a state that is not all FAST (one per gear set, kept)."""
+        what tier 2 replays for a state that is not all FAST (one per gear set, kept). None
+        once ``programs.MAX_KNOWN`` other gear sets have one: each is a program of its own,
+        whose replays compile cold, while the general program's stay compiled for every gear
+        set after its first (``programs.replay_programs`` then replays that one)."""
         if gears not in known:
+            if len(known) >= MAX_KNOWN:
+                return None
             known[gears] = jax.jit(functools.partial(fn, known_gears=gears)) if jit else fn
         return known[gears]
 

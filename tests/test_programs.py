@@ -346,6 +346,12 @@ def test_out_of_fast_tier_2_replays_the_step_with_its_gears_as_constants(monkeyp
     assert _program(step) == "general" and not bool(m["finite"])
     known = step.jitted_known(programs.known_gears(moved.gear))
     assert programs.replay_programs(step, moved) == [known, step.jitted]
+    others = [((n, g),) for n in ("a", "b", "c", "d", "e") for g in (1, 2)]
+    made = [step.jitted_known(k) for k in others]  # past MAX_KNOWN gear sets: none more
+    assert sum(f is not None for f in made) == programs.MAX_KNOWN - 1
+    assert step.jitted_known(programs.known_gears(moved.gear)) is known  # kept
+    other = moved.replace(gear=G.set_site(moved.gear, "norm", Gear.SAFE))
+    assert programs.replay_programs(step, other) == [step.jitted]
     stable, replayed = replay.locate_replayed(step, moved, bad)
     assert step.jitted._cache_size() == 0  # the general program was not compiled again
     general = replay.locate_step(step.jitted, moved, bad, check=False)
