@@ -306,10 +306,9 @@ LADDER_WHERE = {
     "fp16_logits": ("self.attn(qk, qk, h", "attn"),
     "zero_norm": ("h = self.ln1(x)", "ln1"),
 }
-QK_GAIN = 1e5  # fp16_logits: the q·k gain of the middle layer (logits of O(1) -> past 65504)
-# At STABLE the attention site keeps that in range (the fault tier 1's downshift prevents); the
-# gain that still overflows there.
-QK_GAIN_STABLE = 4e9
+# fp16_logits: the q·k gain of the middle layer (logits of O(1) -> past 65504). At STABLE the
+# attention site keeps that in range (the fault tier 1's downshift prevents): the step is finite.
+QK_GAIN = 1e5
 RSS_LIMIT_GB = 8.0
 
 
@@ -368,8 +367,7 @@ def build_ladder(rung: str, layout: str, fault: str, level: str = "fast"):
     )
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     if fp16:
-        gain = QK_GAIN if level == "fast" else QK_GAIN_STABLE
-        set_knob(model, "qk_gain", gain, layer=cfg.num_layers // 2)
+        set_knob(model, "qk_gain", QK_GAIN, layer=cfg.num_layers // 2)
     if fault == "zero_norm":
         set_knob(model, "embed_scale", 0.0)
     b, t = r["batch"], r["seq_len"]
@@ -551,6 +549,11 @@ def print_ladder(records: list[dict]) -> None:
     )
 
 
+def _model_label(r: dict) -> str:
+    """A ladder record's model, as the README tables name it."""
+    return f"{r['num_layers']}L d{r['d_model']} T{r['seq_len']} B{r['batch']}"
+
+
 def markdown_stable(records: list[dict]) -> str:
     """The README table of the ``--level stable`` ladder (``docs/locate_stable.json``)."""
     rows = [
@@ -565,7 +568,7 @@ def markdown_stable(records: list[dict]) -> str:
         if err:
             rows.append(f"| {r['rung']} | {r['layout']} | {r['fault']} | error: {err[-80:]} |")
             continue
-        model = f"{r['num_layers']}L d{r['d_model']} T{r['seq_len']} B{r['batch']}"
+        model = _model_label(r)
         names = f"`{lo['primitive']}` ({lo['user_source']}) {'✔' if r['locate_correct'] else '✘'}"
         if not lo.get("reproducible", True):
             names = "not reproducible ✘"
@@ -594,7 +597,7 @@ def markdown_ladder(records: list[dict]) -> str:
             continue
         ok = "✔" if r["locate_correct"] else "✘"
         nok = "✔" if r["nans_correct"] else "✘"
-        model = f"{r['num_layers']}L d{r['d_model']} T{r['seq_len']} B{r['batch']}"
+        model = _model_label(r)
         rows.append(
             f"| {model} | {r['layout']} | {r['fault']} | {pl['step_s']:.1f} s | "
             f"{pl['step_rss_gb']:.2f} GB | {lo['cold_s']:.1f} s | {lo['warm_s']:.2f} s | "

@@ -99,11 +99,16 @@ def program_for(step: Any, state: Any) -> Any:
     return fast if fast is not None and gear is not None and all_fast(gear) else jitted
 
 
+def _host_gears(gs: gear_lib.GearState) -> tuple[np.ndarray, gear_lib.SiteValues]:
+    """The level and the sites' gears of ``gs`` on the host, in one read."""
+    return jax.device_get((gs.level, gear_lib.SiteValues.of(gs.sites)))
+
+
 def known_gears(gs: gear_lib.GearState) -> tuple[tuple[str, int], ...]:
     """``((site, gear), ...)``: each site's effective gear (``gear.effective``), read on the host,
     for the sites whose layers all share one; a stacked site whose layers differ is left out.
     The key of a replay program (``replay_programs``)."""
-    level, sites = jax.device_get((gs.level, gear_lib.SiteValues.of(gs.sites)))
+    level, sites = _host_gears(gs)
     level = int(np.max(np.asarray(level)))
     out = []
     for name, g in sites.items():
@@ -169,7 +174,7 @@ def all_fast(gs: gear_lib.GearState) -> bool:
 def fast_sites(gs: gear_lib.GearState) -> frozenset[str] | None:
     """The sites whose gear is FAST (every layer of a stacked one), read on the host; None when
     the level is not FAST (then every site's effective gear is above FAST)."""
-    level, sites = jax.device_get((gs.level, gear_lib.SiteValues.of(gs.sites)))
+    level, sites = _host_gears(gs)
     if np.any(np.asarray(level) > int(gear_lib.Gear.FAST)):
         return None
     fast = int(gear_lib.Gear.FAST)

@@ -60,7 +60,7 @@ SWITCHED = np.dtype(np.int16)  # the dtype of a traced gear switched by a plain 
 
 def fast_only_gear(shape: Sequence[int] = ()) -> np.ndarray:
     """A gear of ``shape`` that every ``switch`` traces as FAST alone (see the module doc)."""
-    return np.zeros(tuple(shape), FAST_ONLY)
+    return known_gear(0, shape)
 
 
 def known_gear(gear: int, shape: Sequence[int] = ()) -> np.ndarray:
