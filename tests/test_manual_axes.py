@@ -59,24 +59,26 @@ def _run() -> dict:
             return ops.softmax(x * w, gear=g)
         return ops.linear(x, kernel * w, gear=g)
 
+    def whole(x, w, op, g):
+        return jnp.sum(apply(op, x, w, g) ** 2)
+
+    def sharded(x, w, gear, op, g):
+        """``g`` None: the gear traced (``gear``, one program for every gear); else static."""
+
+        def body(xb, w, gear):
+            return lax.psum(jnp.sum(apply(op, xb, w, gear if g is None else g) ** 2), "d")
+
+        specs = (P("d"), P(), P())
+        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P())(x, w, gear)
+
+    whole_grad = jax.jit(jax.grad(whole, argnums=(0, 1)), static_argnums=(2, 3))
+    sharded_grad = jax.jit(jax.grad(sharded, argnums=(0, 1)), static_argnums=(3, 4))
     out = {}
     for op in OPS:
         for g in (0, 1, 2):
-
-            def whole(x, w, g=g, op=op):
-                return jnp.sum(apply(op, x, w, g) ** 2)
-
-            want = jax.grad(whole, argnums=(0, 1))(xs, w)
+            want = whole_grad(xs, w, op, g)
             for traced in (True, False):
-
-                def sharded(x, w, gear, op=op, g=g, traced=traced):
-                    def body(xb, w, gear):
-                        return lax.psum(jnp.sum(apply(op, xb, w, gear if traced else g) ** 2), "d")
-
-                    specs = (P("d"), P(), P())
-                    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P())(x, w, gear)
-
-                got = jax.jit(jax.grad(sharded, argnums=(0, 1)))(xs, w, jnp.int32(g))
+                got = sharded_grad(xs, w, jnp.int32(g), op, None if traced else g)
                 err = max(
                     float(jnp.max(jnp.abs(a - b)) / (1 + float(jnp.max(jnp.abs(b)))))
                     for a, b in zip(got, want, strict=True)

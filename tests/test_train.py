@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from tiny_models import D, Net, data, logistic_loss, loss_fn
+from tiny_models import D, Net, data, logistic_loss, loss_fn, set_fast_only
 
 import nan2safe_jax as nan2safe
 from nan2safe_jax import Config, Gear, TrainState, detector, make_train_step
@@ -453,8 +453,9 @@ def test_metrics_probes_are_one_array_row_per_probe_and_scanned_layers_stay_one_
     assert isinstance(probes, NamedValues) and len(jax.tree_util.tree_leaves(probes)) == 1
     assert tuple(probes) == new.detector.names
     assert "blocks.attn.probe_logits[2]" in probes
-    # the reference: the same forward, its probe variables read row by row
-    model = state.model
+    # the reference: the same forward (at FAST, as the FAST-only program ran it, without
+    # compiling every gear's path), its probe variables read row by row
+    model = set_fast_only(state.model)
 
     @nnx.jit  # (eagerly, op by op, the scanned forward took a third of the test)
     def reference(model, batch):
@@ -468,7 +469,9 @@ def test_metrics_probes_are_one_array_row_per_probe_and_scanned_layers_stay_one_
             np.testing.assert_allclose(np.asarray(probes[name]), np.asarray(row), rtol=1e-5)
     np.testing.assert_allclose(float(probes["loss"][0]), float(loss), rtol=1e-5)
     # one [3, NUM_STATS] operand per scanned probe in the stack's conditional
-    jaxpr = jax.make_jaxpr(lambda s, b: nan2safe.train.train_step(s, b, lm_loss))(state, batch)
+    jaxpr = jax.make_jaxpr(lambda s, b: nan2safe.train.train_step(s, b, lm_loss, fast_only=True))(
+        state, batch
+    )
     stack = next(
         e
         for e in jaxpr.eqns
