@@ -380,7 +380,7 @@ def train_step(
     # gradients means scaled gradients past ~1e19: an overflow for the loss scale all the same.
     sgrad_sq = numerics.sum_of_squares(sgrads, large_sum=large_sum, replicated=replicated)
     grads_finite = jnp.isfinite(sgrad_sq)
-    finite = jnp.isfinite(loss32) & grads_finite
+    outputs_finite = jnp.isfinite(loss32) & grads_finite
     # A NaN or +inf in the batch is data, not a fault. A -inf is the conventional mask fill
     # (an additive attention bias): data only when the loss went non-finite with it (a mask
     # the model could not take, or corrupted data), so a healthy masked batch trains, scaled
@@ -400,21 +400,25 @@ def train_step(
         & (scale > cfg.loss_scale_min)
         & (streak < 2 * OVERFLOW_GRACE)
     )
-    incident = ~finite & ~overflow & ~polluted
-    downshift_now = incident | (overflow & (streak >= OVERFLOW_GRACE))
     grad_norm = jnp.where(grads_finite, jnp.sqrt(sgrad_sq) * inv_scale, jnp.inf)
 
     builtin = (
         probe_lib.stats(loss),
         # No headroom on the gradient probe: the scaled gradients live near the dtype's max by
         # design (dynamic loss scaling bounces off it), and the loss scale already handles that.
-        probe_lib.scalar_stats(grad_norm, jnp.zeros([], jnp.float32), ~finite),
+        probe_lib.scalar_stats(grad_norm, jnp.zeros([], jnp.float32), ~outputs_finite),
         state.update_stats,
     )
     own = zip(BUILTIN_PROBES, builtin, strict=True)
     blocks = [*probes, *(ProbeBlock((n,), v[None]) for n, v in own)]
     # Every probe's statistics in one array, for the detector and the metrics alike.
     probes = det_lib.stack_blocks(state.detector, blocks)
+    # A non-finite value a model probe reads is a fault even when the loss and gradients stay
+    # finite: a bf16 LayerNorm input past ~1e19 squares to an inf variance whose rsqrt is 0, so
+    # the norm outputs zeros and only its probe saw the overflow. Tier 2 locates it.
+    finite = outputs_finite & ~model_probes_nonfinite(probes)
+    incident = ~finite & ~overflow & ~polluted
+    downshift_now = incident | (overflow & (streak >= OVERFLOW_GRACE))
     lr = None
     if lr_schedule is not None:
         # The count the optimizer's schedule reads: ``state.step`` also counts skipped steps
@@ -555,6 +559,26 @@ def train_step(
     return new_state, metrics
 
 
+def model_probes_nonfinite(probes: probe_lib.NamedValues) -> jax.Array:
+    """bool[]: some probe of the model (not the step's own ``BUILTIN_PROBES``) read a NaN or
+    an inf (``nonfinite`` > 0 or ``max_abs`` not finite; a ``-inf`` mask fill is neither).
+
+    Args:
+      probes: the step's stacked probes (``detector.stack_blocks``), the model's rows first,
+        then ``BUILTIN_PROBES``.
+
+    Returns:
+      bool[], one reduction over the stack's model rows.
+    """
+    rows = len(probes.names) - len(BUILTIN_PROBES)
+    assert probes.names[rows:] == BUILTIN_PROBES, probes.names
+    if not rows:
+        return jnp.zeros([], bool)
+    s = probes.values[:rows]
+    bad = (s[:, probe_lib.NONFINITE] > 0) | ~jnp.isfinite(s[:, probe_lib.MAX_ABS])
+    return jnp.any(bad)
+
+
 def state_is_finite(state: TrainState) -> jax.Array:
     """bool[]: parameters, optimizer state, the model's other variables and the detector
     baselines are all finite (what a checkpoint must be)."""
@@ -654,7 +678,9 @@ def make_train_step(
       ran with), ``loss_scale``, ``grad_norm``, ``nonfinite``, ``skipped``, ``probes`` and
       ``probe_risk`` (each a ``probe.NamedValues``, one array read as a mapping: probe ->
       ``f32[NUM_STATS]`` statistics, in the detector's order; probe -> risk),
-      ``site_gears`` and ``next_all_fast`` (the next step's program); the flags ``finite``,
+      ``site_gears`` and ``next_all_fast`` (the next step's program); the flags ``finite``
+      (the loss, the gradients and every probe of the model finite: a norm whose variance
+      overflowed outputs finite zeros, and only its probe reads the inf),
       ``overflow``, ``incident`` (a non-finite step the model made: tier 2's case),
       ``polluted`` (a NaN or ``+inf`` in the batch, or a ``-inf`` there with a non-finite
       loss; a healthy step trains on ``-inf``, a mask fill), ``bad_update``,

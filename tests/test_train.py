@@ -554,3 +554,47 @@ def test_a_guard_made_with_another_config_is_refused_naming_the_fields():
     TrainState.create(model, nan2safe.optax.guard(optax.sgd(1.0)), Config(min_history=8))
     state = TrainState.create(model, nan2safe.optax.guard(optax.sgd(1.0), cfg))
     assert state.cfg == cfg and float(state.loss_scale) == 4.0
+
+
+class _BF16Norm(nnx.Module):
+    """A bf16 ``LayerNorm`` whose input a batch-borne gain can push past ~1e19, where its f32
+    variance overflows: ``rsqrt(inf)`` is 0, so the norm outputs zeros and the loss stays
+    finite."""
+
+    def __init__(self, *, rngs):
+        self.ln = nan2safe.nn.LayerNorm(D, dtype=jnp.bfloat16, rngs=rngs)
+        self.head = nnx.Linear(D, 1, dtype=jnp.bfloat16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.ln(x.astype(jnp.bfloat16)))
+
+
+def test_a_norm_whose_statistics_overflow_to_a_finite_output_is_an_incident_located_at_it():
+    """The loss and gradients are finite, only the norm's input probe read the inf: the step is
+    an incident (skipped, state kept), tier 2 names the variance's ``square`` as an overflow in
+    the norm, and with that site in SAFE the same batch trains on the right normalisation (a
+    LayerNorm is scale-invariant: the reference is the batch scaled back to 1)."""
+    state = TrainState.create(_BF16Norm(rngs=nnx.Rngs(0)), optax.adam(1e-3))
+    step = make_train_step(loss_fn)
+    x, y = _data(1)
+    state, m = step(state, (x[0], y[0]))
+    assert not bool(m["incident"]) and bool(m["finite"])
+    big = x[0] * 3e19
+    new, m = step(state, (big, y[0]))
+    assert np.isfinite(float(m["loss"])) and np.isfinite(float(m["grad_norm"]))
+    assert bool(m["incident"]) and not bool(m["finite"]) and bool(m["skipped"])
+    assert float(m["probes"]["ln.probe_input"][detector.NONFINITE]) == len(big)  # every row
+    np.testing.assert_array_equal(new.params["ln"]["scale"], state.params["ln"]["scale"])
+
+    report = nan2safe.replay.locate_step(step, state, (big, y[0]))
+    assert report.reproducible and report.site == "ln"
+    assert (report.primitive, report.diagnosis) == ("square", "overflow"), report
+
+    safe = state.replace(gear=G.set_site(state.gear, "ln", Gear.SAFE))
+    new, m = step(safe, (big, y[0]))
+    assert bool(m["finite"]) and not bool(m["incident"]) and not bool(m["skipped"])
+    model = new.replace(gear=safe.gear).model
+    got = np.asarray(model.ln(big.astype(jnp.bfloat16)), np.float32)
+    ref = np.asarray(model.ln(x[0].astype(jnp.bfloat16)), np.float32)
+    assert np.abs(got).max() > 0.5
+    np.testing.assert_allclose(got, ref, atol=0.05)
