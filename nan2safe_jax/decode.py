@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from nan2safe_jax import detector as detector_lib
-from nan2safe_jax import numerics
+from nan2safe_jax import numerics, probe
 from nan2safe_jax import site as site_lib
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear
@@ -100,8 +100,11 @@ def _set(gear_vars: list, gear: int) -> None:
 def _judge(logits: Any, probe_values: list, det: Any, cfg: Config):
     """One token's verdict in one program: ``(f32[3] [finite, risk, calm], per-probe risk,
     the detector folded)``; the caller keeps the detector only for an accepted token."""
-    finite = numerics.all_finite(logits)
-    new_det, risk = detector_lib.update(det, site_lib.stacked_rows(probe_values), cfg)
+    rows = site_lib.stacked_rows(probe_values)
+    # as the train step's ``finite``: a norm whose variance overflowed outputs finite zeros,
+    # and only its probe reads the inf (``train.model_probes_nonfinite``)
+    finite = numerics.all_finite(logits) & jnp.all(probe.rows_finite(rows))
+    new_det, risk = detector_lib.update(det, rows, cfg)
     head = jnp.stack([finite, risk.risk, risk.calm]).astype(jnp.float32)
     return head, risk.per_probe, new_det
 

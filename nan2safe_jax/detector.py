@@ -24,7 +24,14 @@ from flax import struct
 
 from nan2safe_jax import numerics
 from nan2safe_jax.config import Config
-from nan2safe_jax.probe import HEADROOM, MAX_ABS, NONFINITE, NUM_STATS, NamedValues
+from nan2safe_jax.probe import (
+    HEADROOM,
+    MAX_ABS,
+    NONFINITE,
+    NUM_STATS,
+    NamedValues,
+    rows_finite,
+)
 from nan2safe_jax.probe import STATS as STATS  # the probe vector lives in nan2safe_jax.probe
 from nan2safe_jax.probe import headroom as headroom
 from nan2safe_jax.probe import nonfinite_count as nonfinite_count
@@ -297,7 +304,7 @@ def update(
     else:
         s = jnp.asarray(probe_stats, jnp.float32).reshape(len(state.names), NUM_STATS)
     x, head, bad = s[:, MAX_ABS], s[:, HEADROOM], s[:, NONFINITE]
-    finite = (bad == 0) & jnp.isfinite(x)
+    finite = rows_finite(s)
     thr = thresholds(cfg, len(state.names))
 
     cooldown, last_lr = _lr_cooldown(state, cfg, lr)

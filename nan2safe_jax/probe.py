@@ -181,6 +181,14 @@ def nonfinite_count(xf: jax.Array) -> jax.Array:
     return jnp.sum(bad, dtype=jnp.float32)
 
 
+def rows_finite(s: jax.Array) -> jax.Array:
+    """bool[...]: each probe row of ``s`` (``[..., NUM_STATS]``) read no NaN and no ``+inf``:
+    its ``nonfinite`` count is 0 and its ``max_abs`` finite (a ``-inf`` mask fill is
+    neither). What the detector scores, and what a step's ``finite`` asks of the model's
+    probes (``train.model_probes_nonfinite``, ``decode``)."""
+    return (s[..., NONFINITE] == 0) & jnp.isfinite(s[..., MAX_ABS])
+
+
 def headroom(max_abs: jax.Array, overflow: jax.Array, dtype) -> jax.Array:
     """``max_abs / finfo(dtype).max`` of the finite values; 1 when a ``+inf`` is present.
 
@@ -274,11 +282,15 @@ def cheap_stats(y: jax.Array) -> jax.Array:
 
     Returns ``f32[NUM_STATS]`` laid out like ``stats``: ``max_abs`` (the dtype's max when a
     non-finite value is present), ``mean = var = 0`` (not computed), ``nonfinite`` as a 0/1
-    flag (not a count), ``headroom``.
+    flag (not a count), ``headroom``. A ``-inf`` is a mask fill, as to ``stats``: it is read
+    as 0, neither non-finite nor an overflow (a user's probe of masked logits would otherwise
+    make every step an incident, ``train.model_probes_nonfinite``).
     """
-    m = jnp.max(jnp.abs(y)).astype(jnp.float32)  # NaN and inf propagate through max
+    floating = jnp.issubdtype(y.dtype, jnp.floating)
+    a = jnp.where(y == -jnp.inf, jnp.zeros_like(y), jnp.abs(y)) if floating else jnp.abs(y)
+    m = jnp.max(a).astype(jnp.float32)  # NaN and +inf propagate through max
     finite = jnp.isfinite(m)
-    big = float(jnp.finfo(y.dtype).max) if jnp.issubdtype(y.dtype, jnp.floating) else 1.0
+    big = float(jnp.finfo(y.dtype).max) if floating else 1.0
     max_abs = jnp.where(finite, m, big)
     z = jnp.zeros((), jnp.float32)
     head = jnp.where(finite, m / big, 1.0)

@@ -561,7 +561,7 @@ def train_step(
 
 def model_probes_nonfinite(probes: probe_lib.NamedValues) -> jax.Array:
     """bool[]: some probe of the model (not the step's own ``BUILTIN_PROBES``) read a NaN or
-    an inf (``nonfinite`` > 0 or ``max_abs`` not finite; a ``-inf`` mask fill is neither).
+    a ``+inf`` (``probe.rows_finite``; a ``-inf`` mask fill is neither).
 
     Args:
       probes: the step's stacked probes (``detector.stack_blocks``), the model's rows first,
@@ -571,12 +571,9 @@ def model_probes_nonfinite(probes: probe_lib.NamedValues) -> jax.Array:
       bool[], one reduction over the stack's model rows.
     """
     rows = len(probes.names) - len(BUILTIN_PROBES)
-    assert probes.names[rows:] == BUILTIN_PROBES, probes.names
     if not rows:
         return jnp.zeros([], bool)
-    s = probes.values[:rows]
-    bad = (s[:, probe_lib.NONFINITE] > 0) | ~jnp.isfinite(s[:, probe_lib.MAX_ABS])
-    return jnp.any(bad)
+    return ~jnp.all(probe_lib.rows_finite(probes.values[:rows]))
 
 
 def state_is_finite(state: TrainState) -> jax.Array:
@@ -685,9 +682,10 @@ def make_train_step(
       ``polluted`` (a NaN or ``+inf`` in the batch, or a ``-inf`` there with a non-finite
       loss; a healthy step trains on ``-inf``, a mask fill), ``bad_update``,
       ``bad_rest`` and ``next_gear``. A skipped step's ``loss`` is what it computed (NaN or
-      inf): a loop of your own averages the losses of the steps with ``skipped`` False. The
-      step does not undo a downshift that a data fault it cannot see as data caused (an empty
-      mask's 0/0, a token past the vocabulary): the ``Trainer``'s tier 2 does.
+      inf, or finite when only a probe read a non-finite value): a loop of your own
+      averages the losses of the steps with ``skipped`` False. The step does not undo a
+      downshift that a data fault it cannot see as data caused (an empty mask's 0/0, a token
+      past the vocabulary): the ``Trainer``'s tier 2 does.
       ``step.jitted`` is the general step jitted without shardings and ``step.jitted_fast``
       the FAST-only one (what ``replay.locate_step`` traces; give it arguments gathered with
       ``nan2safe.sharding.to_local``); ``step.rules`` the rules; ``step.programs`` the

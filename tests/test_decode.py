@@ -145,12 +145,16 @@ def test_a_probe_near_the_limit_moves_the_next_tokens_up_before_anything_is_non_
 
 
 class SownProbe(Decoder):
-    """A probe sown during the call (``site.Probe``), near the fp16 limit at every token."""
+    """A probe sown during the call (``site.Probe``), near the fp16 limit at every token (or,
+    with ``overflow``, past it: ``h * 6e4`` first)."""
+
+    overflow = False
 
     def __call__(self, token):
         x = self.emb(token)[:, None, :]
         h = x + self.attn(x)
-        big = h * 6e4 / jnp.max(jnp.abs(h))
+        m = jnp.max(jnp.abs(h))
+        big = h * 6e4 / m if self.overflow else h / m * 6e4
         keep_last = dict(reduce_fn=lambda a, b: b, init_fn=lambda: jnp.zeros(()))
         self.sow(nan2safe.site.Probe, "hprobe", nan2safe.probe.stats(big), **keep_last)
         return self.out(h)[:, -1]
@@ -170,6 +174,13 @@ def test_variables_a_call_creates_are_probed_and_rolled_back():
     model.attn.init_cache((B, L, D), dtype=F16)
     got = decode.generate(model, step, jnp.zeros((B,), jnp.int32), 3)
     assert got.events == [{"type": "downshift", "step": 0, "risk": 1.0, "probes": ["hprobe"]}]
+    # a probe that reads an inf is a fault, as in the train step, even with finite logits: this
+    # one is outside every site, so no gear cures it
+    model = nan2safe.nn.convert(SownProbe(nnx.Rngs(0)))
+    model.overflow = True
+    model.attn.init_cache((B, L, D), dtype=F16)
+    with pytest.raises(decode.DecodeError, match="token 0"):
+        decode.generate(model, step, jnp.zeros((B,), jnp.int32), 3)
 
     model = SownWeights(nnx.Rngs(0))
     model.emb.embedding[...] = model.emb.embedding[...].at[7].multiply(1e5)

@@ -558,6 +558,55 @@ def test_safe_attention_beyond_f32_range():
     assert not _finite(f(q, k, v, jnp.int32(1)))
 
 
+@pytest.mark.parametrize("op", ["attention", "router"])
+def test_a_safe_probe_past_the_f32_range_reads_f32s_max_and_makes_no_inf(op):
+    """SAFE computes logits past f32's max right; its logits probe, scaled back from the
+    compressed form, reads f32's max, not inf: a model probe that reads an inf
+    is an incident, which would send a SAFE site that works back to tier 2 on every step. (The
+    probe's own sum of squares of such values still saturates through an inf: ``probe.stats``.)
+    """
+    q = jnp.asarray([[[[1e20, 0.0]], [[-1e20, 0.0]]]], F32)  # logits +-1e40
+    if op == "router":
+        x, kernel = q[0, :, 0], jnp.asarray([[1e20, -1e20], [0.0, 0.0]], F32)
+
+        def f(x):
+            return ops.router(x, kernel, 1, gear=Gear.SAFE, return_stats=True)[1]["logits"]
+
+    else:
+        x = q
+
+        def f(q):
+            return ops.attention(q, q, q, gear=Gear.SAFE, scale=1.0, return_stats=True)[1]["logits"]
+
+    st = jax.jit(f)(x)
+    big = float(jnp.finfo(F32).max)
+    assert float(st[probe.MAX_ABS]) == big and float(st[probe.NONFINITE]) == 0.0
+
+
+@pytest.mark.parametrize("gear", GEARS)
+def test_the_input_rms_probe_of_a_row_whose_mean_squares_past_f32_is_finite(gear):
+    """A row near 3e19 with a small spread: its two-pass variance is finite and so is the
+    norm, but ``mean²`` passes f32's max. The probe reads ``hypot(std, mean)``, the row's
+    RMS (against float64), where ``sqrt(var + mean²)`` read inf and made every healthy step an
+    incident (newuser45). FAST's one-pass variance (flax's default) squares the inputs
+    themselves: inf there is the model's own, and the probe reads it."""
+    r = _rng(45)
+    x = jnp.asarray(3e19 + r.normal(size=(3, 16)) * 1e17, F32)
+    want = np.sqrt(np.mean(np.asarray(x, np.float64) ** 2, -1)).max()
+    run = jax.jit(
+        lambda x, fast: ops.layer_norm(
+            x, None, None, 1e-5, gear=gear, use_fast_variance=fast, return_stats=True
+        ),
+        static_argnums=1,
+    )
+    y, st = run(x, False)
+    assert _finite(y)
+    assert float(st["input_rms"][probe.NONFINITE]) == 0.0
+    np.testing.assert_allclose(float(st["input_rms"][probe.MAX_ABS]), want, rtol=1e-5)
+    if gear == Gear.FAST:
+        assert float(run(x, True)[1]["input_rms"][probe.NONFINITE]) == 3.0  # every row
+
+
 @pytest.mark.parametrize("dtype", [F32, jnp.bfloat16])
 @pytest.mark.parametrize("op", ["attention", "router"])
 def test_safe_gradients_past_the_f32_range_are_finite_under_jit(op, dtype):

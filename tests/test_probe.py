@@ -37,6 +37,9 @@ def test_producers_share_the_layout():
     assert float(sampled[probe.MAX_ABS]) == 4.0  # row 0 is the sampled row
     bad = probe.cheap_stats(y.at[1, 1].set(jnp.inf))
     assert float(bad[probe.NONFINITE]) == 1.0 and float(bad[probe.HEADROOM]) == 1.0
+    for f in (probe.stats, probe.cheap_stats):  # a -inf mask fill is neither, to either
+        masked = f(y.at[1, 1].set(-jnp.inf))
+        assert float(masked[probe.NONFINITE]) == 0.0 and float(masked[probe.MAX_ABS]) == 4.0
     sc = probe.scalar_stats(jnp.float32(-2.5), jnp.float32(0.0), False)
     assert float(sc[probe.MAX_ABS]) == 2.5 and float(sc[probe.MEAN]) == -2.5
     np.testing.assert_array_equal(probe.zeros(), np.zeros(probe.NUM_STATS))

@@ -26,6 +26,25 @@ def _saturate(y: jax.Array, dtype) -> jax.Array:
     return y.astype(dtype)
 
 
+def _times_pow2_saturated(v: jax.Array, *exponents: jax.Array) -> jax.Array:
+    """``v · 2^(sum of exponents)`` in f32, saturated at f32's largest finite value where it
+    would overflow, with no inf on the way (NaN stays NaN).
+
+    For a SAFE probe's statistic scaled back from its range-compressed form: past f32 it reads
+    as full headroom, not as an inf that the SAFE path itself never computed. A model probe
+    that reads an inf makes the step an incident (``train.model_probes_nonfinite``), and a
+    multiply that overflowed would be tier 2's first non-finite value.
+
+    Args:
+      v: f32.
+      *exponents: integers (``_range_exponent``'s), broadcastable with ``v``.
+    """
+    m, e = jnp.frexp(v)  # |m| in [0.5, 1): m·2^128 never passes f32's max
+    t = e + sum(jnp.asarray(x, jnp.int32) for x in exponents)
+    big = float(jnp.finfo(_F32).max)
+    return jnp.where(t > 128, jnp.sign(v) * big, jnp.ldexp(m, jnp.minimum(t, 128)))
+
+
 def _pow2(e: jax.Array) -> jax.Array:
     """Exactly ``2.0**e`` in f32 for integer ``e`` (clipped to the normal range [-126, 127])."""
     e = jnp.clip(e.astype(jnp.int32), -126, 127)

@@ -46,6 +46,7 @@ from nan2safe_jax.ops._numerics import (
     _range_exponent,
     _saturate,
     _scale_back,
+    _times_pow2_saturated,
 )
 from nan2safe_jax.ops.dispatch import switch
 
@@ -248,7 +249,7 @@ def _attn_safe(q, k, v, mask, mult, scale, *, causal, base_scale, weights, want=
     sown = probs.astype(dt) if weights else None
     p = probs if mult is None else probs * mult.astype(_F32)
     out = jnp.einsum("bhqk,bkhd->bqhd", p, vf, precision=_HIGHEST)
-    row_max = (mx * _pow2(eqt) * _pow2(ekt) * sc)[..., 0] if "logits" in want else None
+    row_max = _times_pow2_saturated(mx * sc, eqt, ekt)[..., 0] if "logits" in want else None
     pmax = jnp.max(probs, axis=-1) if "probs" in want else None  # 0 on a fully-masked row
     st = _attn_stats(lax.stop_gradient(row_max), lax.stop_gradient(pmax))
     return _saturate(out, dt), st, sown

@@ -37,6 +37,7 @@ from nan2safe_jax.ops._numerics import (
     _pow2,
     _range_exponent,
     _saturate,
+    _times_pow2_saturated,
 )
 from nan2safe_jax.ops.dispatch import switch
 
@@ -100,14 +101,16 @@ def _flax_affine(x, mean, inv, scale, bias):
 
 def _probes(inv, mean, var, dtype, want):
     """The op's probes from the statistics it takes anyway: ``inv_std`` (every row's
-    ``1/sqrt(var + eps)``) and ``input_rms`` (every row's ``sqrt(E[x²]) = sqrt(var + mean²)``,
+    ``1/sqrt(var + eps)``) and ``input_rms`` (every row's ``sqrt(E[x²]) = hypot(std, mean)``,
     in the input's dtype, so it overflows where the input would: the residual stream's scale).
-    Only those in ``want``."""
+    ``hypot`` rather than ``sqrt(var + mean²)``: a row's mean past ~1.8e19 squares past f32
+    while the norm's own (two-pass) variance is finite, and a probe reading an inf the model
+    never computed is an incident (``train.model_probes_nonfinite``). Only those in ``want``."""
     st = {}
     if "inv_std" in want:
         st["inv_std"] = probe.op_stats(inv)
     if "input_rms" in want:
-        st["input_rms"] = probe.op_stats(jnp.sqrt(var + jnp.square(mean)).astype(dtype))
+        st["input_rms"] = probe.op_stats(jnp.hypot(jnp.sqrt(var), mean).astype(dtype))
     return st
 
 
@@ -157,7 +160,10 @@ def _safe_probes(xf, eps, center, dtype, want, mask=None):
     rms = _saturate(jnp.sqrt(_row_mean(jnp.square(xs), mask)) * _pow2(e), dtype)
     xc = xs - _row_mean(xs, mask) if center else xs
     inv = _safe_inv_std(xc, eps * _pow2(-2 * e), mask)
-    st = {"inv_std": probe.op_stats(inv * _pow2(-e)), "input_rms": probe.op_stats(rms)}
+    st = {
+        "inv_std": probe.op_stats(_times_pow2_saturated(inv, -e)),
+        "input_rms": probe.op_stats(rms),
+    }
     return {k: v for k, v in st.items() if k in want}, xc, inv
 
 

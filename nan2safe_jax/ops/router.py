@@ -20,6 +20,7 @@ from nan2safe_jax.ops._numerics import (
     _range_exponent,
     _saturate,
     _scale_back,
+    _times_pow2_saturated,
 )
 from nan2safe_jax.ops.dispatch import switch
 from nan2safe_jax.ops.linear import _dot_last
@@ -70,7 +71,7 @@ def _router_safe(x, kernel, *, top_k, stats):
     ok = denom > 0
     gates = jnp.where(ok, top_p / jnp.where(ok, denom, 1.0), 1.0 / top_k)
     out = Routing(_saturate(gates, dt), idx.astype(jnp.int32), _saturate(probs, dt))
-    st = {"logits": probe.op_stats(lc * _pow2(ex) * _pow2(ek))} if stats else None
+    st = {"logits": probe.op_stats(_times_pow2_saturated(lc, ex, ek))} if stats else None
     return out, st
 
 
