@@ -5,13 +5,14 @@ and re-decoding that step in a safer gear. A decode step has no loss and no opti
 what goes bad is one token's logits (an fp16 attention whose logits pass 65504 on a long or
 unusual context), and the step has already written that token's keys and values into the KV
 cache. So ``generate`` keeps the model's non-parameter state (the cache, its index, RNG
-counters) from before each token; a token whose logits are not finite is rolled back to it and
-decoded again one gear up (FAST, STABLE, SAFE), with no recompile: the gears are data (every
-site's ``SiteGear``), and one compiled step serves all three. The detector scores the sites'
-probes after each accepted token, as the train step does; a risk of 1 (a probe near the dtype's
-limit, or a level shift and acceleration) moves the next tokens to STABLE before anything is
-non-finite. After ``cfg.recovery_window`` calm tokens the gear steps back down, one gear at a
-time.
+counters) from before each token; a token whose logits, or a probe the step wrote, are not
+finite (as in the train step: a norm whose variance overflowed outputs finite zeros, and only
+its probe reads the inf) is rolled back to it and decoded again one gear up (FAST, STABLE,
+SAFE), with no recompile: the gears are data (every site's ``SiteGear``), and one compiled
+step serves all three. The detector scores the sites' probes after each accepted token, as
+the train step does; a risk of 1 (a probe near the dtype's limit, or a level shift and
+acceleration) moves the next tokens to STABLE before anything is non-finite. After
+``cfg.recovery_window`` calm tokens the gear steps back down, one gear at a time.
 
 The gear is global here (every site together): naming one site would take a tier-2 replay per
 fault, and a decode step is cheap to re-run one gear up. What made a token fail can stay in the
@@ -45,8 +46,8 @@ _JITTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class DecodeError(FloatingPointError):
-    """A token whose logits are not finite even at SAFE. The model's state is the last good
-    token's (``step``: the token's index; ``tokens``: those decoded before it)."""
+    """A token whose logits (or a probe) are not finite even at SAFE. The model's state is the
+    last good token's (``step``: the token's index; ``tokens``: those decoded before it)."""
 
     def __init__(self, message: str, step: int, tokens: np.ndarray):
         super().__init__(message)
@@ -120,6 +121,17 @@ def _variables(model: nnx.Module) -> tuple[list, list]:
             if isinstance(v, site_lib.Probe):
                 probes.append((site_lib.path_name(path), v))
     return state, probes
+
+
+def _zero_probes(probe_vars: list) -> None:
+    """Each plain ``Probe`` variable to zeros before a call, as the train step rebuilds them:
+    a probe this call does not write (a site the decode step never runs, an encoder's at
+    prefill) then reads zeros, not a stale value, and one left non-finite by an earlier call
+    cannot fail every token. (A sown probe's tuple is the call's to write; kept as it is.)"""
+    for _, v in probe_vars:
+        x = v.get_value()
+        if not isinstance(x, tuple):
+            v.set_value(jnp.zeros(jnp.shape(x), jnp.result_type(x)))
 
 
 def _cache_leaves(model: nnx.Module) -> list:
@@ -213,6 +225,7 @@ def generate(
             before = [v.get_value() for v in state_vars]  # immutable arrays: no copy
             cache_before = _cache_leaves(model) if t == 0 else None
             while True:
+                _zero_probes(probe_vars)
                 logits = run(model, token)
                 _check_logits(logits)
                 probe_vars = site_lib.probe_variables(model) if t == 0 else probe_vars
@@ -233,8 +246,8 @@ def generate(
                 if gear == int(Gear.SAFE):
                     done = np.stack(tokens, axis=-1) if tokens else np.zeros((*token.shape, 0))
                     raise DecodeError(
-                        f"token {t}: logits not finite at SAFE either; the model holds the "
-                        "state of the last good token",
+                        f"token {t}: logits or a probe not finite at SAFE either; the model "
+                        "holds the state of the last good token",
                         t,
                         done.astype(np.int32),
                     )

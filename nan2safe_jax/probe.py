@@ -195,7 +195,17 @@ def headroom(max_abs: jax.Array, overflow: jax.Array, dtype) -> jax.Array:
     Needs no baseline, so the detector uses it from the first step. ``-inf`` (a mask fill) does
     not count as headroom 1 (see ``nonfinite_count``).
     """
-    return jnp.where(overflow, 1.0, max_abs / _finfo_max(dtype))
+    return jnp.where(overflow, 1.0, _fraction_of(max_abs, _finfo_max(dtype)))
+
+
+def _fraction_of(v: jax.Array, big: float) -> jax.Array:
+    """``v / big`` for a constant ``big`` up to f32's max, as ``(v / (big·2⁻⁶⁴))·2⁻⁶⁴``. XLA
+    turns a division by a constant into a multiply by its reciprocal (and folds a chain of
+    constant multiplies into one), and ``1 / 3.4e38`` (f32's or bf16's max) is subnormal,
+    flushed to 0 on the CPU: under ``jit`` every f32 and bf16 probe's headroom read 0,
+    whatever its value (eagerly it was right). ``ldexp``'s power of two is computed from the
+    value, so no constant is folded into the reciprocal."""
+    return jnp.ldexp(v / (big * 2.0**-64), -64)
 
 
 # The sum of squares runs on ``|x| * 2**-16``: a power of two scales exactly, so the variance
@@ -293,7 +303,7 @@ def cheap_stats(y: jax.Array) -> jax.Array:
     big = float(jnp.finfo(y.dtype).max) if floating else 1.0
     max_abs = jnp.where(finite, m, big)
     z = jnp.zeros((), jnp.float32)
-    head = jnp.where(finite, m / big, 1.0)
+    head = jnp.where(finite, _fraction_of(m, big), 1.0)
     return jnp.stack([max_abs, z, z, jnp.where(finite, 0.0, 1.0), head]).astype(jnp.float32)
 
 

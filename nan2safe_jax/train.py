@@ -381,25 +381,6 @@ def train_step(
     sgrad_sq = numerics.sum_of_squares(sgrads, large_sum=large_sum, replicated=replicated)
     grads_finite = jnp.isfinite(sgrad_sq)
     outputs_finite = jnp.isfinite(loss32) & grads_finite
-    # A NaN or +inf in the batch is data, not a fault. A -inf is the conventional mask fill
-    # (an additive attention bias): data only when the loss went non-finite with it (a mask
-    # the model could not take, or corrupted data), so a healthy masked batch trains, scaled
-    # gradients that overflow are the loss scale's as in any batch, and a failing one is
-    # blamed on the batch, never on an op.
-    polluted = batch_bad | (batch_minus_inf & ~jnp.isfinite(loss32))
-    # A finite loss whose scaled gradients overflow is the dynamic loss scale's business: skip
-    # and back off. Only when that repeats (or the loss itself is bad) is it an incident.
-    # After OVERFLOW_GRACE overflows in a row the first downshift also cuts the scale by
-    # 1/256 (a loss scale far too large, e.g. 2**24 in fp16); only past twice that is it an
-    # incident for tier 2.
-    streak = guard_lib.skip_streak(state.opt_state)
-    overflow = (
-        ~polluted
-        & jnp.isfinite(loss32)
-        & ~grads_finite
-        & (scale > cfg.loss_scale_min)
-        & (streak < 2 * OVERFLOW_GRACE)
-    )
     grad_norm = jnp.where(grads_finite, jnp.sqrt(sgrad_sq) * inv_scale, jnp.inf)
 
     builtin = (
@@ -416,7 +397,27 @@ def train_step(
     # A non-finite value a model probe reads is a fault even when the loss and gradients stay
     # finite: a bf16 LayerNorm input past ~1e19 squares to an inf variance whose rsqrt is 0, so
     # the norm outputs zeros and only its probe saw the overflow. Tier 2 locates it.
-    finite = outputs_finite & ~model_probes_nonfinite(probes)
+    probes_bad = model_probes_nonfinite(probes)
+    finite = outputs_finite & ~probes_bad
+    # A NaN or +inf in the batch is data, not a fault. A -inf is the conventional mask fill
+    # (an additive attention bias): data only when the loss or a probe went non-finite with it
+    # (a mask the model could not take, or corrupted data), so a healthy masked batch trains,
+    # scaled gradients that overflow are the loss scale's as in any batch, and a failing one
+    # is blamed on the batch, never on an op.
+    polluted = batch_bad | (batch_minus_inf & (~jnp.isfinite(loss32) | probes_bad))
+    # A finite loss whose scaled gradients overflow is the dynamic loss scale's business: skip
+    # and back off. Only when that repeats (or the loss itself is bad) is it an incident.
+    # After OVERFLOW_GRACE overflows in a row the first downshift also cuts the scale by
+    # 1/256 (a loss scale far too large, e.g. 2**24 in fp16); only past twice that is it an
+    # incident for tier 2.
+    streak = guard_lib.skip_streak(state.opt_state)
+    overflow = (
+        ~polluted
+        & jnp.isfinite(loss32)
+        & ~grads_finite
+        & (scale > cfg.loss_scale_min)
+        & (streak < 2 * OVERFLOW_GRACE)
+    )
     incident = ~finite & ~overflow & ~polluted
     downshift_now = incident | (overflow & (streak >= OVERFLOW_GRACE))
     lr = None
@@ -680,7 +681,7 @@ def make_train_step(
       overflowed outputs finite zeros, and only its probe reads the inf),
       ``overflow``, ``incident`` (a non-finite step the model made: tier 2's case),
       ``polluted`` (a NaN or ``+inf`` in the batch, or a ``-inf`` there with a non-finite
-      loss; a healthy step trains on ``-inf``, a mask fill), ``bad_update``,
+      loss or probe; a healthy step trains on ``-inf``, a mask fill), ``bad_update``,
       ``bad_rest`` and ``next_gear``. A skipped step's ``loss`` is what it computed (NaN or
       inf, or finite when only a probe read a non-finite value): a loop of your own
       averages the losses of the steps with ``skipped`` False. The step does not undo a

@@ -179,8 +179,17 @@ def test_variables_a_call_creates_are_probed_and_rolled_back():
     model = nan2safe.nn.convert(SownProbe(nnx.Rngs(0)))
     model.overflow = True
     model.attn.init_cache((B, L, D), dtype=F16)
-    with pytest.raises(decode.DecodeError, match="token 0"):
+    with pytest.raises(decode.DecodeError, match="token 0: logits or a probe"):
         decode.generate(model, step, jnp.zeros((B,), jnp.int32), 3)
+
+    # a probe the decode step never writes (a norm run once, outside decoding, on an input that
+    # overflowed it) reads zeros, not its stale inf: review28 saw every token fail on it
+    model = _model()
+    model.spare = nan2safe.nn.LayerNorm(D, dtype=F16, rngs=nnx.Rngs(0))
+    model.spare(jnp.full((1, D), jnp.inf, F16))
+    assert not bool(nan2safe.probe.rows_finite(model.spare.probe_input[...]))
+    got = decode.generate(model, step, jnp.zeros((B,), jnp.int32), 3)
+    assert got.tokens.shape == (B, 3) and got.events == []
 
     model = SownWeights(nnx.Rngs(0))
     model.emb.embedding[...] = model.emb.embedding[...].at[7].multiply(1e5)

@@ -154,3 +154,16 @@ def test_stats_of_a_huge_scalar_or_constant_keep_their_mean_and_zero_variance():
     const = np.asarray(jax.jit(probe.stats)(jnp.full((100,), 3e20, jnp.float32)), np.float64)
     assert const[probe.MEAN] == pytest.approx(3e20, rel=1e-5)
     assert const[probe.VAR] <= 1e-5 * 3e20**2  # (f32 rounding of E[x^2] - E[x]^2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_headroom_under_jit_is_the_eager_fraction_of_the_dtypes_max(dtype):
+    """``max_abs / finfo.max``: XLA turned the division into a multiply by ``1 / 3.4e38``,
+    subnormal and flushed to 0 on the CPU, so a jitted f32 or bf16 probe read headroom 0 even
+    at 2e38 (the detector's headroom limit never fired there)."""
+    big = float(jnp.finfo(dtype).max)
+    y = jnp.asarray([0.6 * big, -1.0], dtype)
+    want = float(np.asarray(y, np.float64).max()) / big
+    for f in (probe.stats, probe.cheap_stats):
+        got = float(jax.jit(f)(y)[probe.HEADROOM])
+        np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -468,18 +468,20 @@ def test_metrics_probes_are_one_array_row_per_probe_and_scanned_layers_stay_one_
         if name in probes:
             np.testing.assert_allclose(np.asarray(probes[name]), np.asarray(row), rtol=1e-5)
     np.testing.assert_allclose(float(probes["loss"][0]), float(loss), rtol=1e-5)
-    # one [3, NUM_STATS] operand per scanned probe in the stack's conditional
-    jaxpr = jax.make_jaxpr(lambda s, b: nan2safe.train.train_step(s, b, lm_loss, fast_only=True))(
-        state, batch
-    )
-    stack = next(
-        e
-        for e in jaxpr.eqns
-        if e.primitive.name == "cond"
-        and e.outvars[0].aval.shape == (len(new.detector.names), NUM_STATS)
-    )
-    shapes = [v.aval.shape for v in stack.invars[1:]]
-    assert shapes.count((3, NUM_STATS)) >= 5 and (1, NUM_STATS) in shapes
+    # one [3, NUM_STATS] operand per scanned probe in the stack's conditional, in the FAST-only
+    # program and in the general one (its sites' gear switches)
+    for fast_only in (True, False):
+        jaxpr = jax.make_jaxpr(
+            lambda s, b, f=fast_only: nan2safe.train.train_step(s, b, lm_loss, fast_only=f)
+        )(state, batch)
+        stack = next(
+            e
+            for e in jaxpr.eqns
+            if e.primitive.name == "cond"
+            and e.outvars[0].aval.shape == (len(new.detector.names), NUM_STATS)
+        )
+        shapes = [v.aval.shape for v in stack.invars[1:]]
+        assert shapes.count((3, NUM_STATS)) >= 5 and (1, NUM_STATS) in shapes
 
 
 @pytest.mark.parametrize("form", ["schedule", "inject_hyperparams", "MultiSteps", "constant"])

@@ -39,7 +39,7 @@ def _times_pow2_saturated(v: jax.Array, *exponents: jax.Array) -> jax.Array:
       v: f32.
       *exponents: integers (``_range_exponent``'s), broadcastable with ``v``.
     """
-    m, e = jnp.frexp(v)  # |m| in [0.5, 1): m·2^128 never passes f32's max
+    m, e = jnp.frexp(jnp.asarray(v, _F32))  # |m| in [0.5, 1): m·2^128 never passes f32's max
     t = e + sum(jnp.asarray(x, jnp.int32) for x in exponents)
     big = float(jnp.finfo(_F32).max)
     return jnp.where(t > 128, jnp.sign(v) * big, jnp.ldexp(m, jnp.minimum(t, 128)))
