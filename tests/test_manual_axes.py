@@ -32,7 +32,7 @@ def test_outside_shard_map_cotangents_are_unchanged():
 def test_geared_ops_differentiate_in_shard_map_with_a_replicated_weight():
     out = run_on_devices(__file__, 2, "run")
     assert sorted(out) == sorted(f"{op}/{g}/{t}" for op in OPS for g in (0, 1, 2) for t in "ts")
-    bad = {k: v for k, v in out.items() if v > 1e-5}
+    bad = {k: v for k, v in out.items() if not v <= 1e-5}  # a NaN error is bad too
     assert not bad, bad
 
 
