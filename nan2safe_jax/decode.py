@@ -131,7 +131,13 @@ def _zero_probes(probe_vars: list) -> None:
     for _, v in probe_vars:
         x = v.get_value()
         if not isinstance(x, tuple):
-            v.set_value(jnp.zeros(jnp.shape(x), jnp.result_type(x)))
+            v.set_value(_zeros(jnp.shape(x), jnp.result_type(x)))
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """One zeros array per probe layout, shared across tokens (arrays are immutable)."""
+    return jnp.zeros(shape, dtype)
 
 
 def _cache_leaves(model: nnx.Module) -> list:

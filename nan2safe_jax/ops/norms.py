@@ -80,7 +80,7 @@ def _norm_fast(x, scale, bias, mask, *, eps, center, fast_var, want, dtype):
     stats_shape = x.shape[:-1] + (1,)
     mean, var = mean.reshape(stats_shape), var.reshape(stats_shape)
     inv = lax.rsqrt(var + eps)
-    st = _probes(inv, mean if center else None, var, x.dtype, want)
+    st = _probes(inv, mean, var, x.dtype, want, center)
     if "output" in want:  # the output's sampled rows, from the same rows of x
         rows = functools.partial(probe.sample_rows, stride=probe.sample_stride(x.shape))
         st["output"] = probe.op_stats(_flax_affine(rows(x), rows(mean), rows(inv), scale, bias))
@@ -99,20 +99,20 @@ def _flax_affine(x, mean, inv, scale, bias):
     return jnp.asarray(y, x.dtype)
 
 
-def _probes(inv, mean, var, dtype, want):
+def _probes(inv, mean, var, dtype, want, center):
     """The op's probes from the statistics it takes anyway: ``inv_std`` (every row's
     ``1/sqrt(var + eps)``) and ``input_rms`` (every row's ``sqrt(E[x²])``: ``hypot(std,
-    mean)``, or ``sqrt(var)`` for an uncentred norm, whose ``mean`` is None and ``var``
-    ``E[x²]``), in the input's dtype, so it overflows where the input would: the residual
-    stream's scale. ``hypot`` rather than ``sqrt(var + mean²)``: a row's mean past ~1.8e19
-    squares past f32 while the norm's own (two-pass) variance is finite, and a probe reading
-    an inf the model never computed is an incident (``train.model_probes_nonfinite``). Only
-    those in ``want``."""
+    mean)``, or ``sqrt(var)`` for an uncentred norm, whose ``var`` is ``E[x²]``), in the
+    input's dtype, so it overflows where the input would: the residual stream's scale.
+    ``hypot`` rather than ``sqrt(var + mean²)``: a row's mean past ~1.8e19 squares past f32
+    while the norm's own (two-pass) variance is finite, and a probe reading an inf the model
+    never computed is an incident (``train.model_probes_nonfinite``). Only those in
+    ``want``."""
     st = {}
     if "inv_std" in want:
         st["inv_std"] = probe.op_stats(inv)
     if "input_rms" in want:
-        rms = jnp.sqrt(var) if mean is None else jnp.hypot(jnp.sqrt(var), mean)
+        rms = jnp.hypot(jnp.sqrt(var), mean) if center else jnp.sqrt(var)
         st["input_rms"] = probe.op_stats(rms.astype(dtype))
     return st
 
@@ -132,7 +132,7 @@ def _norm_stable(x, scale, bias, mask, *, eps, center, fast_var, want, dtype):
     mean, var = mean[..., None], var[..., None]
     inv = lax.rsqrt(var + eps)
     y = _affine((xf - mean) * inv, _f32(scale), _f32(bias))
-    st = _probes(inv, mean if center else None, var, x.dtype, want)
+    st = _probes(inv, mean, var, x.dtype, want, center)
     return _with_output(_saturate(y, x.dtype), st, want)
 
 
