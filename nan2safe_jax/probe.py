@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
@@ -59,6 +60,24 @@ PROBE_KINDS = (
 # unchanged by the swap (one per norm either way), so the thresholds (Bonferroni over probes)
 # are the same; benchmarks/false_alarms.py was re-run with this set.
 DEFAULT_PROBES = tuple(k for k in PROBE_KINDS if k not in ("attn_probs", "norm_output"))
+
+# The name scope every probe statistic is traced under. What a statistic computes is monitoring:
+# an inf it makes inside (the sum of squares of finite values past ~1.2e24, saturated to a
+# finite statistic) is never a fault of the model, and tier 2 does not name it
+# (``replay.interpret``). An inf it reads is flagged where it was made, outside the scope.
+MONITOR_SCOPE = "nan2safe_monitor"
+
+
+def monitoring(fn):
+    """``fn``, traced under ``MONITOR_SCOPE``."""
+
+    @functools.wraps(fn)
+    def scoped(*args, **kwargs):
+        with jax.named_scope(MONITOR_SCOPE):
+            return fn(*args, **kwargs)
+
+    return scoped
+
 
 _ENABLED: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
     "nan2safe_probes", default=None
@@ -225,6 +244,7 @@ def _sums(a, b):
     return tuple(out)
 
 
+@monitoring
 def stats(x: jax.typing.ArrayLike) -> jax.Array:
     """Probe statistics of one tensor, computed on device in one reduction.
 
@@ -287,6 +307,7 @@ def op_stats(x: jax.Array) -> jax.Array:
     return lax.stop_gradient(stats(x))
 
 
+@monitoring
 def cheap_stats(y: jax.Array) -> jax.Array:
     """Probe statistics from one ``max(|y|)`` reduction: for Linear/Embed outputs.
 
@@ -333,6 +354,7 @@ def sample_stride(shape: tuple[int, ...], max_elements: int = PROBE_SAMPLE) -> i
     return max(1, -(-math.prod(shape) // max_elements))
 
 
+@monitoring
 def scalar_stats(value: jax.Array, headroom: jax.Array, nonfinite: jax.Array) -> jax.Array:
     """A scalar (a gradient or update norm) as a probe: ``max_abs = |value|``, ``var = 0``.
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from nan2safe_jax import ops, replay
+from nan2safe_jax import ops, probe, replay
 from nan2safe_jax.gear import Gear
 from nan2safe_jax.replay import Report, locate, locate_step
 
@@ -810,6 +810,35 @@ def test_a_value_where_drops_is_no_root():
         return (a + b).sum()
 
     _check(f, [jnp.asarray([0.0, 1.0, 3.0])], "sqrt", "where-real-root", "nan")
+
+
+def _huge_probed_then_0_over_0(x):
+    """A finite value past ~1.2e24 probed (the probe's sum of squares passes f32 inside it and
+    saturates to a finite statistic), then a real 0/0 of the model's own."""
+    stats = probe.stats(x * 1e30)
+    z = x * 0.0
+    return stats, z / z  # FAULT:after-probe
+
+
+def _overflow_probed(x):
+    return probe.stats(jnp.exp(x))  # FAULT:probed-overflow
+
+
+@pytest.mark.parametrize(
+    "f, primitive, marker",
+    [
+        (_huge_probed_then_0_over_0, "div", "after-probe"),
+        (_overflow_probed, "exp", "probed-overflow"),
+    ],
+    ids=["probe_of_a_huge_finite_value", "probe_of_an_overflow"],
+)
+def test_what_the_probe_statistics_compute_inside_is_never_the_root(f, primitive, marker):
+    """The library's probe statistics are monitoring: an inf they make inside (the sum of
+    squares of finite values past ~1.2e24, then ``inf - inf``) was named as the step's root,
+    ahead of the model's real fault. An inf the probe reads is still found where it was made."""
+    x = jnp.asarray([1.0, 2.0, 100.0], jnp.float32)
+    r = _check(f, [x], primitive, marker, "nan" if primitive == "div" else "inf")
+    assert r.first_nan is None or "probe.py" not in (r.first_nan.source or ""), str(r)
 
 
 def _overflowing_site(x, w, gear):

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nan2safe_jax.probe import MONITOR_SCOPE
 from nan2safe_jax.replay import _jax_compat as jc
 from nan2safe_jax.replay import rules
 
@@ -143,6 +144,8 @@ class Ctx:
         # replay passes them as operands, yet like a literal they are no equation's result.
         self.constants: set[int] = set()
         self._pinned: list[Any] = []
+        # record indices of equations traced under ``probe.MONITOR_SCOPE``: never flagged
+        self.monitored: list[int] = []
 
     # -- codes ------------------------------------------------------------------------------
     def ref(self, x: Any) -> Ref:
@@ -279,6 +282,11 @@ class Ctx:
             root = root.at[ks].set(hit[:, 0])
             nan = nan.at[ks].set(hit[:, 1])
             literal = literal.at[ks].set(hit[:, 2])
+        if self.monitored:
+            # What a probe statistic makes inside is monitoring, never the model's fault: an
+            # inf it reads was made, and is flagged, outside the scope.
+            quiet = np.asarray(self.monitored)
+            root, nan, literal = (f.at[quiet].set(False) for f in (root, nan, literal))
         self._flags[observed_only] = (root, nan, literal)
         return self._flags[observed_only]
 
@@ -605,6 +613,8 @@ def _flags_eqn(eqn: Any, invals: list, ns: Any, ctx: Ctx, branch: int | None = N
     result (a site at SAFE drops FAST's value even when SAFE's own output is non-finite).
     """
     outs = jc.bind_eqn(eqn, invals, ns)
+    if MONITOR_SCOPE in str(ns):  # one record per equation: the one appended below
+        ctx.monitored.append(len(ctx.recs))
     if preserves(eqn):  # exact without a reduction: out finite <=> all inputs finite
         for o in outs:
             ctx.derive(o, ctx.union(invals))
