@@ -601,3 +601,22 @@ def test_a_norm_whose_statistics_overflow_to_a_finite_output_is_an_incident_loca
     ref = np.asarray(model.ln(x[0].astype(jnp.bfloat16)), np.float32)
     assert np.abs(got).max() > 0.5
     np.testing.assert_allclose(got, ref, atol=0.05)
+
+
+def test_a_probe_that_reads_an_inf_in_a_batch_with_a_minus_inf_mask_is_polluted():
+    """A ``-inf`` mask fill is data when the step goes non-finite with it, the loss *or* a
+    model probe: the batch that overflows the norm's statistics carries a mask, so it is
+    skipped as polluted (the gears untouched, no incident); the same mask with usable rows
+    trains."""
+    state = TrainState.create(_BF16Norm(rngs=nnx.Rngs(0)), optax.adam(1e-3))
+    step = make_train_step(_masked_loss)
+    x, y = _data(1)
+    bias = jnp.zeros(x.shape[1]).at[:2].set(-jnp.inf)
+    state, m = step(state, (x[0], y[0], bias))
+    assert not bool(m["polluted"]) and not bool(m["skipped"]) and bool(m["finite"])
+    big = (x[0] - x[0].mean(-1, keepdims=True)) * 3e19
+    new, m = step(state, (big, y[0], bias))
+    assert np.isfinite(float(m["loss"]))
+    assert bool(m["polluted"]) and bool(m["skipped"]) and not bool(m["incident"])
+    assert int(new.gear.level) == Gear.FAST and int(m["next_gear"]) == Gear.FAST
+    np.testing.assert_array_equal(new.params["ln"]["scale"], state.params["ln"]["scale"])

@@ -369,6 +369,37 @@ def test_an_fp16_layer_whose_f32_weight_overflows_the_cast_is_located_and_run_in
     tr.close()
 
 
+class _Bf16Norm(nnx.Module):
+    def __init__(self, rngs):
+        self.ln = nan2safe_nn.LayerNorm(D, dtype=jnp.bfloat16, rngs=rngs)
+        self.head = nnx.Linear(D, 1, dtype=jnp.bfloat16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.ln(x.astype(jnp.bfloat16)))
+
+
+def test_a_norm_whose_statistics_overflow_at_a_finite_loss_is_located_and_run_in_safe(tmp_path):
+    """Inputs past ~1e19 overflow a bf16 LayerNorm's f32 variance to a finite, wrong output
+    (zeros) at a finite loss: only the norm's probe reads the inf. The Trainer skips the step,
+    tier 2 names the norm, and the same inputs train in SAFE from the next step on."""
+    x, y = data(4)
+    centred = x - x.mean(-1, keepdims=True)  # E[x²] overflows f32; mean² stays far below
+    batches = [(x[0], y[0]), (x[1], y[1]), (centred[2] * 3e19, y[2]), (centred[3] * 3e19, y[3])]
+    tr = Trainer(_Bf16Norm(nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
+    hist = tr.fit(batches, steps=4)
+    locate = [e for e in tr.events if e["type"] == "locate"]
+    assert [e["step"] for e in locate] == [2], _types(tr.events)
+    rep = locate[0]["report"]
+    assert rep["site"] == "ln" and rep["primitive"] in ("square", "reduce_sum"), rep
+    assert rep["diagnosis"] == "overflow"
+    assert [e["site"] for e in tr.events if e["type"] == "safe_enter"] == ["ln"]
+    assert np.isfinite(hist[2]["loss"]) and hist[2]["skipped"] and hist[2]["incident"]
+    assert hist[3]["finite"] and not hist[3]["skipped"] and hist[3]["safe_sites"] == ["ln"]
+    leaves = jax.tree_util.tree_leaves(tr.state.params)
+    assert all(bool(jnp.all(jnp.isfinite(v))) for v in leaves)
+    tr.close()
+
+
 def test_nan_in_the_data_is_reported_as_data(tmp_path, capsys):
     """Two NaN batches with ``max_incidents=1``: a batch reported as polluted input is skipped
     and not counted (a soak run's data NaN every 100 steps ended it at the 9th); two in a row
