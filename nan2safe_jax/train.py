@@ -415,6 +415,7 @@ def train_step(
         ~polluted
         & jnp.isfinite(loss32)
         & ~grads_finite
+        & ~probes_bad  # the forward never sees the scale: no scale cures what a probe read
         & (scale > cfg.loss_scale_min)
         & (streak < 2 * OVERFLOW_GRACE)
     )

@@ -603,6 +603,34 @@ def test_a_norm_whose_statistics_overflow_to_a_finite_output_is_an_incident_loca
     np.testing.assert_allclose(got, ref, atol=0.05)
 
 
+class _Fp16Probed(nnx.Module):
+    """An fp16 ``Linear`` with an output probe whose overflow ``tanh`` absorbs: the loss stays
+    finite, the probe reads the inf, and the scaled gradients overflow with it."""
+
+    def __init__(self, *, rngs):
+        self.lin = nan2safe.nn.Linear(D, D, dtype=jnp.float16, probe=True, rngs=rngs)
+        self.head = nnx.Linear(D, 1, dtype=jnp.float16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jnp.tanh(self.lin(x.astype(jnp.float16))))
+
+
+def test_a_forward_probe_that_reads_an_inf_is_an_incident_not_the_loss_scales_overflow():
+    """The forward pass never sees the loss scale, so no scale cures an inf a model probe
+    read: a step whose scaled gradients overflow with it is an incident at once, not one of
+    the up to ``2 * OVERFLOW_GRACE`` overflows that halve the scale first."""
+    state = TrainState.create(_Fp16Probed(rngs=nnx.Rngs(0)), optax.adam(1e-3))
+    step = make_train_step(loss_fn)
+    x, y = _data(1)
+    _, m = step(state, (x[0], y[0]))
+    assert bool(m["finite"]) and not bool(m["incident"])
+    _, m = step(state, (x[0] * 2e4, y[0]))
+    assert np.isfinite(float(m["loss"])) and not np.isfinite(float(m["grad_norm"]))
+    assert float(m["probes"]["lin.probe_output"][detector.NONFINITE]) > 0
+    assert bool(m["incident"]) and not bool(m["overflow"]) and bool(m["skipped"])
+    assert int(m["next_gear"]) == Gear.STABLE
+
+
 def test_a_probe_that_reads_an_inf_in_a_batch_with_a_minus_inf_mask_is_polluted():
     """A ``-inf`` mask fill is data when the step goes non-finite with it, the loss *or* a
     model probe: the batch that overflows the norm's statistics carries a mask, so it is
