@@ -39,13 +39,23 @@ class SpikeWatch:
         self.seen = 0
         self._above: list[int] = []
 
-    def update(self, step: int, loss: float, applied: bool) -> Spike | None:
+    def update(self, step: int, loss: float, applied: bool, overflow: bool = False) -> Spike | None:
         """Feeds one step; returns a ``Spike`` when this step confirms one.
 
-        Skipped steps and non-finite losses are not evidence either way (tier 2 owns them).
-        Losses above the line do not move the baseline, so a slow spike cannot hide itself.
+        Args:
+          step: the step's index.
+          loss: its loss.
+          applied: the update was applied.
+          overflow: it was skipped for a loss-scale overflow (a finite loss, scaled gradients
+            past the dtype): the loss is the model's all the same, so one above the line counts
+            toward the spike. A diverging fp16 run's high losses are mostly such skips, and
+            counting only applied steps never saw ``spike_steps`` of them in a row (newuser47).
+
+        Other skipped steps and non-finite losses are not evidence either way (tier 2 owns
+        them), and only applied steps move the baseline. Losses above the line do not move it,
+        so a slow spike cannot hide itself.
         """
-        if self.cfg.spike_factor is None or not applied or not math.isfinite(loss):
+        if self.cfg.spike_factor is None or not (applied or overflow) or not math.isfinite(loss):
             return None
         warm = self.baseline is not None and self.seen >= self.cfg.min_history
         if warm and loss > self.cfg.spike_factor * self.baseline:
@@ -54,6 +64,8 @@ class SpikeWatch:
                 spike = Spike(self._above[0], step, loss, self.baseline)
                 self._above = []
                 return spike
+            return None
+        if not applied:
             return None
         self._above = []
         a = self.cfg.alpha

@@ -710,7 +710,9 @@ class Trainer:
             self._polluted_streak = 0
         self._gear_events(done.step, m)
         if restart is None:
-            spike = self.spikes.update(done.step, m["loss"], not m["skipped"])
+            spike = self.spikes.update(
+                done.step, m["loss"], not m["skipped"], overflow=bool(m["overflow"])
+            )
             restart = None if spike is None else self._spike(done, spike)
         if restart is None and self._lr_left > 0:
             self._lr_left -= 1
