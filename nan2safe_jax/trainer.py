@@ -38,7 +38,12 @@ from nan2safe_jax import optax as guard_lib
 from nan2safe_jax import sharding as sharding_lib
 from nan2safe_jax import watchdog as watchdog_lib
 from nan2safe_jax import workdir as workdir_lib
-from nan2safe_jax.checkpoint import Checkpointer, CheckpointSaveError, SkippedCheckpoint
+from nan2safe_jax.checkpoint import (
+    Checkpointer,
+    CheckpointSaveError,
+    SkippedCheckpoint,
+    state_is_finite,
+)
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear
 from nan2safe_jax.numerics import _is_key
@@ -291,6 +296,7 @@ class Trainer:
         self._polluted_streak = 0  # polluted batches in a row (``_stop_past_polluted_streak``)
         self._scale_matters: dict = {}  # ``_loss_scale_matters``, per program and batch dtypes
         self.rollbacks = 0
+        self._checkpoint_due = False  # a checkpoint deferred past skipped steps (``_after``)
         self._damaged_from: int | None = None  # checkpoint of the last "damaged" rollback
         self.spikes = SpikeWatch(self.cfg)
         self.spike_rollbacks = 0
@@ -721,8 +727,21 @@ class Trainer:
                 restart = _Restart(done.after.replace(lr_scale=jnp.ones([], jnp.float32)))
         if restart is None or restart.in_place:
             self.ring.append((done.step, done.batch))
-            if (done.step + 1) % self.cfg.checkpoint_every == 0:
-                state = done.after if restart is None else restart.state
+            due = self._checkpoint_due or (done.step + 1) % self.cfg.checkpoint_every == 0
+            state = done.after if restart is None else restart.state
+            if due and m["skipped"]:
+                # A checkpoint is a state the run trained to: one due while the steps are
+                # skipped waits for the next applied step. A finite state that every step
+                # refuses (a weight made huge by a bad update, loss ~1e30, each step an
+                # overflow skip) was saved over by it, and the rollbacks restored it instead of
+                # the good checkpoint before it (newuser46). A state that is not finite is
+                # still rolled back now.
+                self._checkpoint_due = True
+                if not state_is_finite(state):
+                    self.log.append("error", done.step + 1, detail="state not finite")
+                    restart = self._damaged(done, state) or restart
+            elif due:
+                self._checkpoint_due = False
                 if not self._checkpoint(done.step + 1, state):
                     restart = self._damaged(done, state) or restart
         return restart
@@ -968,6 +987,7 @@ class Trainer:
             self.log.append("error", done.step, detail="no finite checkpoint to roll back to")
             return None
         state, ckpt = found
+        self._checkpoint_due = False  # the run starts over from a checkpoint
         if decision.gear is not None:
             state = state.replace(gear=decision.gear)
         replay = [(s, b) for s, b in self.ring if ckpt <= s < done.step]
@@ -1039,6 +1059,7 @@ class Trainer:
             [(s, b) for s, b in self.ring if s < ckpt], maxlen=self.ring.maxlen
         )
         deleted = self.checkpoints.delete_after(ckpt)
+        self._checkpoint_due = False  # the run starts over from a checkpoint
         self.spikes.reset_streak()
         self.spike_rollbacks += 1
         self.rollbacks += 1

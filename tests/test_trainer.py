@@ -643,6 +643,34 @@ def jax_tree_nan(tree):
     return jax.tree_util.tree_map(lambda p: jnp.full_like(p, jnp.nan), tree)
 
 
+def test_a_checkpoint_due_while_every_step_is_skipped_waits_and_the_rollback_finds_the_good_one(
+    tmp_path,
+):
+    """A finite state that every step refuses (a weight ×1e15: loss ~1e30, each step a
+    gradient overflow skip) is not checkpointed at the due step: the checkpoint waits for an
+    applied step. So the rollback, once the skips become incidents, restores the good
+    checkpoint before the damage, and the run recovers (it restored the damaged one, written
+    at the due step, until ``max_incidents``: newuser46)."""
+    batches = _batches(24)
+    tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
+    tr.fit(batches[:6], steps=6)
+    tr.state = tr.state.replace(
+        params=jax.tree_util.tree_map_with_path(
+            lambda p, a: a * 1e15 if "head" in str(p) and "kernel" in str(p) else a,
+            tr.state.params,
+        )
+    )
+    hist = tr.fit(batches[6:], steps=18)
+    ev = tr.events
+    assert all(h["skipped"] for h in hist[:10]), [h["skipped"] for h in hist]
+    rb = [i for i, e in enumerate(ev) if e["type"] == "rollback"]
+    assert [ev[i]["to_step"] for i in rb] == [5], _types(ev)
+    saved = [e["step"] for e in ev[: rb[0]] if e["type"] == "checkpoint"]
+    assert saved == [0, 5], saved  # none at the due step 10
+    assert not hist[-1]["skipped"] and float(jnp.abs(tr.state.params["head"]["kernel"]).max()) < 10
+    tr.close()
+
+
 def test_max_incidents_stops_with_the_last_report(tmp_path):
     # make_fragile's model and optimizer: the programs of the test above, from the run's
     # compilation cache (tests/conftest.py)
