@@ -318,6 +318,7 @@ def decide(step_fn, before, batch, after, metrics: dict, cfg: Config) -> Decisio
 # made from finite model values, by a sum or a norm that passes f32's range.
 _STEP_FILES = ("numerics.py", "train.py", "optax.py", "detector.py", "probe.py", "gear.py")
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_SQRT_F32_MAX = float(np.sqrt(np.finfo(np.float32).max))  # ~1.8e19
 
 
 def _narrow(dtype) -> bool:
@@ -374,6 +375,24 @@ def in_step_bookkeeping(report: Report) -> bool:
     """Whether the culprit is an equation of the train step's own bookkeeping (not a site's)."""
     path = (report.source or "").rsplit(":", 1)[0]
     return path.startswith(_PACKAGE) and os.path.basename(path) in _STEP_FILES
+
+
+def no_scale_cures(report: Report, scale: float, scale_min: float) -> bool:
+    """Whether the step's own sum of squares that ``report`` names overflows at every loss scale.
+
+    The square read the scaled gradients: brought down to ``scale_min``, the largest of them
+    still squares past f32's range (past ~1.8e19), so halving the scale is no cure. A weight
+    grown ×1e15 gives gradients of ~1e30: before, a bf16 or f32 model skipped 16 steps as the
+    scale's overflow, halving it each time, and a checkpoint written among them kept the
+    damage (newuser46).
+
+    Args:
+      report: a report that ``in_step_bookkeeping`` holds.
+      scale: the loss scale the step ran with.
+      scale_min: ``Config.loss_scale_min``.
+    """
+    big = max((s.get("max_abs") or 0.0 for s in report.inputs), default=0.0)
+    return big / max(scale, 1e-30) * scale_min > _SQRT_F32_MAX
 
 
 def unsited_hint(report: Report, sites, nearest: str | None = None) -> str:

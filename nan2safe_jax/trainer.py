@@ -855,7 +855,8 @@ class Trainer:
         record says ``incident``, and the new gears are one down at least (FAST -> STABLE, as
         the step moves them for an incident). The step's verdict stands when the replay names
         the step's own sum of squares (finite gradients whose squares pass f32's range: the
-        scale's business, which halving cures) or stays finite.
+        scale's business, which halving cures; unless they would at the smallest scale too,
+        ``incidents.no_scale_cures``) or stays finite.
 
         Returns:
           ``(decision, (before, batch), t0)`` for ``_incident``, or None.
@@ -867,8 +868,10 @@ class Trainer:
         report = decision.report
         where = [getattr(report, k, None) for k in ("site", "primitive")]
         sharding_lib.agree([decision.kind, *where], "tier-2 decision")  # multi-process only
+        bookkeeping = report.primitive is not None and incidents.in_step_bookkeeping(report)
         if decision.kind == "transient" or (
-            report.primitive is not None and incidents.in_step_bookkeeping(report)
+            bookkeeping
+            and not incidents.no_scale_cures(report, m["loss_scale"], self.cfg.loss_scale_min)
         ):
             return None
         m["overflow"], m["incident"] = False, True

@@ -643,31 +643,43 @@ def jax_tree_nan(tree):
     return jax.tree_util.tree_map(lambda p: jnp.full_like(p, jnp.nan), tree)
 
 
-def test_a_checkpoint_due_while_every_step_is_skipped_waits_and_the_rollback_finds_the_good_one(
+def test_a_state_no_loss_scale_cures_is_an_incident_and_the_rollback_finds_the_checkpoint_before(
     tmp_path,
 ):
-    """A finite state that every step refuses (a weight ×1e15: loss ~1e30, each step a
-    gradient overflow skip) is not checkpointed at the due step: the checkpoint waits for an
-    applied step. So the rollback, once the skips become incidents, restores the good
-    checkpoint before the damage, and the run recovers (it restored the damaged one, written
-    at the due step, until ``max_incidents``: newuser46)."""
-    batches = _batches(24)
+    """A finite state every step refuses (a weight ×1e15: loss ~1e30, gradients whose squares
+    pass f32's range at every loss scale) just before a checkpoint is due. Its first step is an
+    incident at once (it was one of 16 loss-scale overflow skips, each halving the scale), the
+    due checkpoint waits for an applied step, and the rollback restores the good checkpoint
+    before the damage: the run recovers. Before, the due step saved the damaged state and the
+    rollbacks restored it until ``max_incidents`` (newuser46)."""
+    batches = _batches(20)
     tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
-    tr.fit(batches[:6], steps=6)
+    tr.fit(batches[:4], steps=4)
     tr.state = tr.state.replace(
         params=jax.tree_util.tree_map_with_path(
             lambda p, a: a * 1e15 if "head" in str(p) and "kernel" in str(p) else a,
             tr.state.params,
         )
     )
-    hist = tr.fit(batches[6:], steps=18)
+    hist = tr.fit(batches[4:], steps=16)
     ev = tr.events
-    assert all(h["skipped"] for h in hist[:10]), [h["skipped"] for h in hist]
+    assert hist[0]["skipped"] and hist[0]["incident"] and not hist[0]["overflow"]
     rb = [i for i, e in enumerate(ev) if e["type"] == "rollback"]
-    assert [ev[i]["to_step"] for i in rb] == [5], _types(ev)
+    assert [ev[i]["to_step"] for i in rb] == [0], _types(ev)
     saved = [e["step"] for e in ev[: rb[0]] if e["type"] == "checkpoint"]
-    assert saved == [0, 5], saved  # none at the due step 10
+    assert saved == [0], saved  # none at the due step 5
+    assert tr.incidents == 2
     assert not hist[-1]["skipped"] and float(jnp.abs(tr.state.params["head"]["kernel"]).max()) < 10
+    tr.close()
+
+
+def test_a_checkpoint_due_at_a_skipped_step_is_written_at_the_next_applied_one(tmp_path):
+    """Polluted batches across the due step 5: the checkpoint is written after step 6, the
+    first applied one, and the next at the due step 10 as usual."""
+    tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
+    hist = tr.fit(_batches(10, bad={4: "nan", 5: "nan"}), steps=10)
+    assert [h["skipped"] for h in hist] == [False] * 4 + [True] * 2 + [False] * 4
+    assert [e["step"] for e in tr.events if e["type"] == "checkpoint"] == [0, 7, 10]
     tr.close()
 
 
