@@ -44,6 +44,7 @@ from nan2safe_jax.replay import _jax_compat as jc
 from nan2safe_jax.replay.locate import locate_replayed
 from nan2safe_jax.replay.nearest import nearest_site
 from nan2safe_jax.replay.report import Report, array_stats, channel_scan
+from nan2safe_jax.site import path_name
 
 log = logging.getLogger(__name__)
 
@@ -306,12 +307,44 @@ def decide(step_fn, before, batch, after, metrics: dict, cfg: Config) -> Decisio
                 revert=True,
             )
     nearest = None
-    if report.site is None or report.site not in after.gear.sites:
+    if in_step_bookkeeping(report):
+        nearest = largest_weights(before.params)
+    elif report.site is None or report.site not in after.gear.sites:
         try:
             nearest = nearest_site(step_fn, (before, batch), report.eqn_path, after.gear.sites)
         except Exception as err:  # noqa: BLE001 - a hint must never stop tier 2
             log.debug("nearest site not found: %s", err)
     return _downshift(report, before.gear, after.gear, cfg, nearest=nearest)
+
+
+def largest_weights(params, k: int = 3) -> str | None:
+    """The ``k`` parameters with the largest magnitude, as ``"path (max |w|)"``, largest first.
+
+    What the hint of a culprit in the step's own sum of squares names: gradients past ~1e19
+    come from the loss or from weights that large, and the sum of squares reads every
+    gradient at once (a flat vector: the report names no leaf of it). One host pass over the
+    parameters, at an incident only.
+
+    Args:
+      params: the state's parameters (whole arrays).
+      k: how many to name.
+
+    Returns:
+      ``"head.kernel (1e+30), blocks.0.up.kernel (0.56), ..."``, or None when no leaf can be
+      read.
+    """
+    sizes = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        try:
+            a = np.asarray(leaf)
+        except Exception:  # noqa: BLE001 - a leaf this process cannot read names nothing
+            continue
+        if a.size and np.issubdtype(a.dtype, np.inexact):
+            keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+            name = path_name(keys[:-1] if keys[-1:] == ["value"] else keys)  # a Variable's
+            sizes.append((float(np.max(np.abs(a.astype(np.float32)))), name))
+    sizes.sort(key=lambda t: -t[0] if np.isfinite(t[0]) else -np.inf)
+    return ", ".join(f"{name} ({v:.3g})" for v, name in sizes[:k]) or None
 
 
 # The train step's own bookkeeping (norms, loss scale, detector, gears): a culprit there was
@@ -401,7 +434,8 @@ def unsited_hint(report: Report, sites, nearest: str | None = None) -> str:
     Args:
       report: the tier-2 report (its culprit is in no site).
       sites: the model's site names.
-      nearest: the site nearest to the culprit in program order (``replay.nearest_site``).
+      nearest: the site nearest to the culprit in program order (``replay.nearest_site``);
+        for a culprit in the step's own bookkeeping, the largest weights (``largest_weights``).
     """
     if in_step_bookkeeping(report):
         big = max((s.get("max_abs") or 0.0 for s in report.inputs), default=0.0)
@@ -411,7 +445,7 @@ def unsited_hint(report: Report, sites, nearest: str | None = None) -> str:
             f"value the model computed is finite, but its inputs reach {big:.3g} and square "
             "past f32's range (a norm past ~1.8e19). Gradients that large come from the loss "
             "or from a layer's weights, not from an op a gear can change: look at the loss and "
-            "the largest weights"
+            "the largest weights" + ("" if nearest is None else f" (the largest: {nearest})")
         )
     where = report.user_source or report.source or "an unknown line"
     scope = "" if report.site is None else f" (its scope names {report.site!r}, no site's gear)"

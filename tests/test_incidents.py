@@ -94,6 +94,41 @@ def test_the_hint_for_a_culprit_outside_every_site_fits_the_model(sites):
         assert "no sites at all" in hint and "run nan2safe.nn.convert(model)" in hint
 
 
+def _bookkeeping(big):
+    square = dataclasses.replace(
+        _unsited("square", incidents._PACKAGE + "numerics.py:145"),
+        inputs=[{"max_abs": big, "shape": [8]}],
+    )
+    assert incidents.in_step_bookkeeping(square)
+    return square
+
+
+@pytest.mark.parametrize(
+    "big, scale, cures",
+    [(1e30, 32768.0, False), (1e22, 32768.0, True), (1e22, 1.0, False), (1e19, 1.0, True)],
+)
+def test_no_loss_scale_cures_gradients_that_square_past_f32_at_the_smallest_scale(
+    big, scale, cures
+):
+    """The scaled gradients at ``scale``, brought to ``loss_scale_min`` (1), against f32's
+    square root of max (~1.84e19)."""
+    want = big / scale * 1.0 > float(np.sqrt(np.finfo(np.float32).max))
+    assert want is not cures
+    assert incidents.no_scale_cures(_bookkeeping(big), scale, 1.0) is want
+
+
+def test_the_hint_for_the_steps_own_sum_of_squares_names_the_largest_weights():
+    params = {
+        "head": {"kernel": jnp.full((2, 2), -5e14)},
+        "blocks": [{"up": {"kernel": jnp.ones((2,)) * 0.5}}, {"up": {"kernel": jnp.ones(3)}}],
+        "step": jnp.int32(7),  # no float: never named
+    }
+    largest = incidents.largest_weights(params, k=2)
+    assert largest == "head.kernel (5e+14), blocks.1.up.kernel (1)"
+    hint = incidents.unsited_hint(_bookkeeping(1e30), {"head": ()}, nearest=largest)
+    assert "own bookkeeping" in hint and hint.endswith(f"(the largest: {largest})")
+
+
 def test_an_empty_batch_is_every_row_leaf_with_no_rows():
     empty = {"x": np.zeros((0, 4), np.float32), "y": np.zeros((0,), np.int32)}
     assert incidents.empty_batch(empty) == "['x']"

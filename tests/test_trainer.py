@@ -664,6 +664,8 @@ def test_a_state_no_loss_scale_cures_is_an_incident_and_the_rollback_finds_the_c
     hist = tr.fit(batches[4:], steps=16)
     ev = tr.events
     assert hist[0]["skipped"] and hist[0]["incident"] and not hist[0]["overflow"]
+    hint = [e for e in ev if e["type"] == "locate"][0]["hint"]
+    assert "(the largest: head.kernel (" in hint, hint  # the sum of squares names no leaf
     rb = [i for i, e in enumerate(ev) if e["type"] == "rollback"]
     assert [ev[i]["to_step"] for i in rb] == [0], _types(ev)
     saved = [e["step"] for e in ev[: rb[0]] if e["type"] == "checkpoint"]
