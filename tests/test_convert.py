@@ -191,6 +191,7 @@ def test_report_names_sites_and_what_was_left_alone(pair):
     assert "outside every site" in left[""].reason and left["blocks"].cls == "Block"
     text = str(report)
     assert "blocks.attn: nnx.MultiHeadAttention stacked [2]" in text and "extra.odd" in text
+    assert "tier 1 has no probe there" in text  # a hand-written attention's logits (newuser46)
 
 
 def test_a_layer_under_two_attributes_is_one_site_named_in_the_report():
