@@ -63,7 +63,9 @@ class Config:
         scale skipped is not calm).
       ring_buffer: batches kept on the host for replay after a rollback; ``None`` (default)
         keeps ``checkpoint_every`` of them, so a rollback to the newest checkpoint can always
-        replay every step since it. A value below ``checkpoint_every`` is an error.
+        replay every step since it. A value below ``checkpoint_every`` is an error. While a
+        checkpoint due at a refused (skipped) step waits for an applied one, the trainer keeps
+        up to twice as many.
       checkpoint_every: steps between checkpoints (trainer).
       max_incidents: non-finite incidents the trainer handles; the next one stops it with an
         error (located

@@ -34,6 +34,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from nan2safe_jax import gear as gear_lib
@@ -339,7 +340,7 @@ def largest_weights(params, k: int = 3) -> str | None:
             a = np.asarray(leaf)
         except Exception:  # noqa: BLE001 - a leaf this process cannot read names nothing
             continue
-        if a.size and np.issubdtype(a.dtype, np.inexact):
+        if a.size and jnp.issubdtype(a.dtype, jnp.inexact):  # bfloat16 and float8 too
             keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
             name = path_name(keys[:-1] if keys[-1:] == ["value"] else keys)  # a Variable's
             sizes.append((float(np.max(np.abs(a.astype(np.float32)))), name))
@@ -413,8 +414,10 @@ def in_step_bookkeeping(report: Report) -> bool:
 def no_scale_cures(report: Report, scale: float, scale_min: float) -> bool:
     """Whether the step's own sum of squares that ``report`` names overflows at every loss scale.
 
-    The square read the scaled gradients: brought down to ``scale_min``, the largest of them
-    still squares past f32's range (past ~1.8e19), so halving the scale is no cure. A weight
+    Only a ``square`` says so: it read the scaled gradients, and brought down to
+    ``scale_min`` the largest of them still squares past f32's range (past ~1.8e19), so
+    halving the scale is no cure. A ``reduce_sum`` or ``add`` of the squares (the norm past
+    f32 before any one gradient is) is what halving does cure. A weight
     grown ×1e15 gives gradients of ~1e30: before, a bf16 or f32 model skipped 16 steps as the
     scale's overflow, halving it each time, and a checkpoint written among them kept the
     damage (newuser46).
@@ -424,6 +427,8 @@ def no_scale_cures(report: Report, scale: float, scale_min: float) -> bool:
       scale: the loss scale the step ran with.
       scale_min: ``Config.loss_scale_min``.
     """
+    if report.primitive != "square":  # a sum of squares past f32 is what halving cures
+        return False
     big = max((s.get("max_abs") or 0.0 for s in report.inputs), default=0.0)
     return big / max(scale, 1e-30) * scale_min > _SQRT_F32_MAX
 

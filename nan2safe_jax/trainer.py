@@ -296,7 +296,7 @@ class Trainer:
         self._polluted_streak = 0  # polluted batches in a row (``_stop_past_polluted_streak``)
         self._scale_matters: dict = {}  # ``_loss_scale_matters``, per program and batch dtypes
         self.rollbacks = 0
-        self._checkpoint_due = False  # a checkpoint deferred past skipped steps (``_after``)
+        self._checkpoint_due = False  # a checkpoint waiting past skipped steps (``_finish``)
         self._damaged_from: int | None = None  # checkpoint of the last "damaged" rollback
         self.spikes = SpikeWatch(self.cfg)
         self.spike_rollbacks = 0
@@ -726,25 +726,36 @@ class Trainer:
                 self.log.append("lr_restore", done.step, lr_scale=1.0)
                 restart = _Restart(done.after.replace(lr_scale=jnp.ones([], jnp.float32)))
         if restart is None or restart.in_place:
+            if self._checkpoint_due:
+                self._hold_ring()
             self.ring.append((done.step, done.batch))
-            due = self._checkpoint_due or (done.step + 1) % self.cfg.checkpoint_every == 0
+            on_time = (done.step + 1) % self.cfg.checkpoint_every == 0
             state = done.after if restart is None else restart.state
-            if due and m["skipped"]:
-                # A checkpoint is a state the run trained to: one due while the steps are
-                # skipped waits for the next applied step. A finite state that every step
-                # refuses (a weight made huge by a bad update, loss ~1e30, each step an
-                # overflow skip) was saved over by it, and the rollbacks restored it instead of
-                # the good checkpoint before it (newuser46). A state that is not finite is
-                # still rolled back now.
+            if (on_time or self._checkpoint_due) and m["skipped"] and not m["polluted"]:
+                # A checkpoint is a state the run trained to: one due while the steps refuse
+                # the state waits for the next applied step. A finite state that every step
+                # refuses (a weight made huge by a bad update, loss ~1e30, each step skipped)
+                # was saved at the due step, and the rollbacks restored it instead of the good
+                # checkpoint before it (newuser46). A polluted batch says nothing of the state.
+                # A state that is not finite is still rolled back at the due step (the skips
+                # after it leave the state as it was: it is checked once).
                 self._checkpoint_due = True
-                if not state_is_finite(state):
+                if on_time and not state_is_finite(state):
                     self.log.append("error", done.step + 1, detail="state not finite")
                     restart = self._damaged(done, state) or restart
-            elif due:
+            elif on_time or self._checkpoint_due:
                 self._checkpoint_due = False
                 if not self._checkpoint(done.step + 1, state):
                     restart = self._damaged(done, state) or restart
         return restart
+
+    def _hold_ring(self) -> None:
+        """While a checkpoint waits (``_finish``), the ring buffer keeps the batches since the
+        last one, so that a rollback to it replays every step: it grows by one batch per
+        waiting step, up to twice ``ring_size`` (past that a rollback lists the oldest as
+        ``missing``), and ``_checkpoint`` brings it back to ``ring_size``."""
+        if len(self.ring) >= (self.ring.maxlen or 0) and self.ring.maxlen < 2 * self.cfg.ring_size:
+            self.ring = collections.deque(self.ring, maxlen=self.ring.maxlen + 1)
 
     def _checkpoint(self, step: int, state) -> bool:
         """Saves ``state`` as checkpoint ``step``; False (logged) when it is not finite.
@@ -759,6 +770,9 @@ class Trainer:
             self._log_save_error(err)
             raise
         if saved:
+            self._checkpoint_due = False  # ``save()`` too: nothing waits past this one
+            if self.ring.maxlen != self.cfg.ring_size:  # ``_hold_ring`` grew it
+                self.ring = collections.deque(self.ring, maxlen=self.cfg.ring_size)
             self._checkpointed = weakref.ref(state)
             self.log.append("checkpoint", step, path=str(self.checkpoints.path(step)))
             return True
@@ -869,10 +883,11 @@ class Trainer:
         where = [getattr(report, k, None) for k in ("site", "primitive")]
         sharding_lib.agree([decision.kind, *where], "tier-2 decision")  # multi-process only
         bookkeeping = report.primitive is not None and incidents.in_step_bookkeeping(report)
-        if decision.kind == "transient" or (
-            bookkeeping
-            and not incidents.no_scale_cures(report, m["loss_scale"], self.cfg.loss_scale_min)
-        ):
+        cured = bookkeeping and not incidents.no_scale_cures(
+            report, m["loss_scale"], self.cfg.loss_scale_min
+        )
+        sharding_lib.agree(cured, "loss-scale verdict")  # multi-process only
+        if decision.kind == "transient" or cured:
             return None
         m["overflow"], m["incident"] = False, True
         if decision.gear is not None:

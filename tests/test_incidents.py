@@ -115,16 +115,19 @@ def test_no_loss_scale_cures_gradients_that_square_past_f32_at_the_smallest_scal
     want = big / scale * 1.0 > float(np.sqrt(np.finfo(np.float32).max))
     assert want is not cures
     assert incidents.no_scale_cures(_bookkeeping(big), scale, 1.0) is want
+    # a sum of the squares past f32 (no one square is) is what halving cures, whatever it read
+    summed = dataclasses.replace(_bookkeeping(big), primitive="reduce_sum")
+    assert incidents.no_scale_cures(summed, scale, 1.0) is False
 
 
 def test_the_hint_for_the_steps_own_sum_of_squares_names_the_largest_weights():
     params = {
-        "head": {"kernel": jnp.full((2, 2), -5e14)},
+        "head": {"kernel": jnp.full((2, 2), -(2.0**49), jnp.bfloat16)},  # bf16: not np.inexact
         "blocks": [{"up": {"kernel": jnp.ones((2,)) * 0.5}}, {"up": {"kernel": jnp.ones(3)}}],
         "step": jnp.int32(7),  # no float: never named
     }
     largest = incidents.largest_weights(params, k=2)
-    assert largest == "head.kernel (5e+14), blocks.1.up.kernel (1)"
+    assert largest == "head.kernel (5.63e+14), blocks.1.up.kernel (1)", largest
     hint = incidents.unsited_hint(_bookkeeping(1e30), {"head": ()}, nearest=largest)
     assert "own bookkeeping" in hint and hint.endswith(f"(the largest: {largest})")
 

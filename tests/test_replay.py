@@ -841,6 +841,35 @@ def test_what_the_probe_statistics_compute_inside_is_never_the_root(f, primitive
     assert r.first_nan is None or "probe.py" not in (r.first_nan.source or ""), str(r)
 
 
+def _probe_then_log(x):
+    """The huge probed value, then a real fault of the model's own that reaches the result."""
+    stats = probe.stats(x * 1e30)
+    return stats[probe.MAX_ABS] * 0.0 + jnp.log(x - 2.0).sum()  # FAULT:log-after-probe
+
+
+@pytest.mark.parametrize("form", ["scan", "vmap", "grad", "jit"])
+def test_the_probe_statistics_stay_silent_inside_transformations(form):
+    """The scope survives the name stacks of a loop body, a batching, a transpose and a
+    nested jit: the model's ``log`` of a negative value is named, never the probe's sum."""
+    x = jnp.asarray([1.0, 2.5, 100.0], jnp.float32)
+    if form == "scan":
+        f, args = (
+            (lambda xs: lax.scan(lambda c, v: (c + _probe_then_log(v), None), 0.0, xs)[0]),
+            [jnp.stack([x, x])],
+        )
+    elif form == "vmap":
+        f, args = jax.vmap(_probe_then_log), [jnp.stack([x, x])]
+    elif form == "grad":
+        f, args = jax.grad(_probe_then_log), [x]
+    else:
+        f, args = jax.jit(_probe_then_log), [x]
+    jaxpr = jax.make_jaxpr(f)(*args)
+    r = locate(jaxpr, args)
+    assert r is not None and "probe.py" not in (r.source or ""), str(r)
+    assert r.primitive in ("log", "div"), str(r)  # the backward of log is a division
+    _assert_source(r, "log-after-probe")
+
+
 def _overflowing_site(x, w, gear):
     """An fp16 ``ops.linear`` whose FAST path overflows (SAFE saturates), then a real NaN."""
     y = ops.linear(x, w, None, gear=gear)

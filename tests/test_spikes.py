@@ -27,10 +27,10 @@ CALM = [(1.0, True, False)] * 6
         ([(100.0, True, False)] * 3, (6, 8)),
         ([(100.0, False, True)] * 3, (6, 8)),  # overflow skips at a spiking loss
         ([(100.0, False, True), (100.0, True, False), (100.0, False, True)], (6, 8)),
-        ([(100.0, False, True), (1.0, False, True), (100.0, True, False)] * 1, None),
+        ([(100.0, False, True)] * 2 + [(1.0, False, True), (100.0, True, False)], (6, 9)),
         ([(100.0, False, False)] * 3, None),  # skipped for another reason: tier 2's
         ([(float("nan"), False, False)] * 3, None),
-        ([(100.0, True, False), (1.0, True, False), (100.0, True, False)], None),
+        ([(100.0, True, False)] * 2 + [(1.0, True, False), (100.0, True, False)], None),
     ],
     ids=["applied", "overflow", "mixed", "calm-overflow-between", "other-skip", "nan", "broken"],
 )

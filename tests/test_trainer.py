@@ -667,7 +667,7 @@ def test_a_state_no_loss_scale_cures_is_an_incident_and_the_rollback_finds_the_c
     hint = [e for e in ev if e["type"] == "locate"][0]["hint"]
     assert "(the largest: head.kernel (" in hint, hint  # the sum of squares names no leaf
     rb = [i for i, e in enumerate(ev) if e["type"] == "rollback"]
-    assert [ev[i]["to_step"] for i in rb] == [0], _types(ev)
+    assert [ev[i]["to_step"] for i in rb] == [0] and ev[rb[0]]["missing"] == [], _types(ev)
     saved = [e["step"] for e in ev[: rb[0]] if e["type"] == "checkpoint"]
     assert saved == [0], saved  # none at the due step 5
     assert tr.incidents == 2
@@ -675,13 +675,29 @@ def test_a_state_no_loss_scale_cures_is_an_incident_and_the_rollback_finds_the_c
     tr.close()
 
 
-def test_a_checkpoint_due_at_a_skipped_step_is_written_at_the_next_applied_one(tmp_path):
-    """Polluted batches across the due step 5: the checkpoint is written after step 6, the
-    first applied one, and the next at the due step 10 as usual."""
-    tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
-    hist = tr.fit(_batches(10, bad={4: "nan", 5: "nan"}), steps=10)
-    assert [h["skipped"] for h in hist] == [False] * 4 + [True] * 2 + [False] * 4
-    assert [e["step"] for e in tr.events if e["type"] == "checkpoint"] == [0, 7, 10]
+def _loud(model, batch):
+    """``loss_fn`` times the batch's third leaf: 1e15 makes the scaled gradients square past
+    f32, which a smaller loss scale cures (an overflow skip in an f32 model)."""
+    return loss_fn(model, batch[:2]) * batch[2]
+
+
+def test_a_checkpoint_due_at_a_refused_step_waits_and_keeps_the_batches_since_the_last(tmp_path):
+    """Overflow skips at steps 4-6 across the due step 5: the checkpoint is written after step
+    7, the first applied one, and the ring buffer meanwhile holds every batch since checkpoint 0
+    (7 > ``ring_size`` 5: a rollback to 0 replays them all). A polluted batch says nothing of
+    the state: the checkpoint due at its step 10 is written on time."""
+    x, y = data(11)
+    loud = {4, 5, 6}
+    batches = [(x[i], y[i], np.float32(1e15 if i in loud else 1.0)) for i in range(11)]
+    batches[9] = (x[9].at[0, 0].set(jnp.nan), y[9], np.float32(1.0))
+    tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), _loud, CFG, tmp_path / "run")
+    hist = tr.fit(batches[:7], steps=7)
+    assert [h["overflow"] for h in hist] == [False] * 4 + [True] * 3, _types(tr.events)
+    assert [s for s, _ in tr.ring] == list(range(7))
+    hist += tr.fit(batches[7:], steps=4)
+    assert hist[9]["polluted"] and hist[9]["skipped"]
+    assert [e["step"] for e in tr.events if e["type"] == "checkpoint"] == [0, 8, 10]
+    assert tr.ring.maxlen == CFG.ring_size
     tr.close()
 
 

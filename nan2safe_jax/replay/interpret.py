@@ -22,6 +22,7 @@ equations of a walk are its primitives and its loop / branch / map equations, co
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -613,7 +614,7 @@ def _flags_eqn(eqn: Any, invals: list, ns: Any, ctx: Ctx, branch: int | None = N
     result (a site at SAFE drops FAST's value even when SAFE's own output is non-finite).
     """
     outs = jc.bind_eqn(eqn, invals, ns)
-    if MONITOR_SCOPE in str(ns):  # one record per equation: the one appended below
+    if _MONITORED.search(str(ns)):  # one record per equation: the one appended below
         ctx.monitored.append(len(ctx.recs))
     if preserves(eqn):  # exact without a reduction: out finite <=> all inputs finite
         for o in outs:
@@ -687,6 +688,10 @@ _ABSORBING = frozenset(
     | {"max", "min", "clamp", "reduce_max", "reduce_min"}
 )
 
+
+# ``probe.MONITOR_SCOPE`` as a whole component of a name stack (``a/nan2safe_monitor``,
+# ``vmap(nan2safe_monitor)``), not inside another scope's name.
+_MONITORED = re.compile(rf"(^|[/(]){re.escape(MONITOR_SCOPE)}($|[/)])")
 
 MODES = ("root", "nan", "literal")  # the three flags, in the order of ``Ctx.finalize``
 
