@@ -80,7 +80,11 @@ def _range_exponent(x: jax.Array, axis=None, keepdims=False) -> jax.Array:
     in binary floating point, barring subnormals. Not differentiated (a constant factor).
     """
     amax = lax.stop_gradient(jnp.max(jnp.abs(x), axis=axis, keepdims=keepdims, initial=0.0))
-    _, e = jnp.frexp(amax)
+    amax = amax.astype(_F32)  # exact for every narrower float
+    # frexp's exponent from the bits (``jnp.frexp`` compiled ~25 instructions per call, in
+    # every SAFE path of the general program): a normal |x| is m·2^(field - 127), m in [1, 2)
+    field = lax.shift_right_logical(lax.bitcast_convert_type(amax, jnp.int32), 23) & 0xFF
+    e = jnp.where(amax == 0, 0, field - 126)
     return jnp.where(jnp.isfinite(amax), jnp.clip(e, -120, 120), 0).astype(jnp.int32)
 
 
