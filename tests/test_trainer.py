@@ -661,7 +661,7 @@ def test_a_state_no_loss_scale_cures_is_an_incident_and_the_rollback_finds_the_c
             tr.state.params,
         )
     )
-    hist = tr.fit(batches[4:], steps=16)
+    hist = tr.fit(batches[4:], steps=6)
     ev = tr.events
     assert hist[0]["skipped"] and hist[0]["incident"] and not hist[0]["overflow"]
     hint = [e for e in ev if e["type"] == "locate"][0]["hint"]
