@@ -45,7 +45,7 @@ from nan2safe_jax.replay import _jax_compat as jc
 from nan2safe_jax.replay.locate import locate_replayed
 from nan2safe_jax.replay.nearest import nearest_site
 from nan2safe_jax.replay.report import Report, array_stats, channel_scan
-from nan2safe_jax.site import path_name
+from nan2safe_jax.site import param_name
 
 log = logging.getLogger(__name__)
 
@@ -341,9 +341,7 @@ def largest_weights(params, k: int = 3) -> str | None:
         except Exception:  # noqa: BLE001 - a leaf this process cannot read names nothing
             continue
         if a.size and jnp.issubdtype(a.dtype, jnp.inexact):  # bfloat16 and float8 too
-            keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
-            name = path_name(keys[:-1] if keys[-1:] == ["value"] else keys)  # a Variable's
-            sizes.append((float(np.max(np.abs(a.astype(np.float32)))), name))
+            sizes.append((float(np.max(np.abs(a.astype(np.float32)))), param_name(path)))
     sizes.sort(key=lambda t: -t[0] if np.isfinite(t[0]) else -np.inf)
     return ", ".join(f"{name} ({v:.3g})" for v, name in sizes[:k]) or None
 
@@ -429,8 +427,12 @@ def no_scale_cures(report: Report, scale: float, scale_min: float) -> bool:
     """
     if report.primitive != "square":  # a sum of squares past f32 is what halving cures
         return False
-    big = max((s.get("max_abs") or 0.0 for s in report.inputs), default=0.0)
-    return big / max(scale, 1e-30) * scale_min > _SQRT_F32_MAX
+    return _largest_input(report) / max(scale, 1e-30) * scale_min > _SQRT_F32_MAX
+
+
+def _largest_input(report: Report) -> float:
+    """The largest finite magnitude among the culprit's inputs (0 when none was recorded)."""
+    return max((s.get("max_abs") or 0.0 for s in report.inputs), default=0.0)
 
 
 def unsited_hint(report: Report, sites, nearest: str | None = None) -> str:
@@ -443,7 +445,7 @@ def unsited_hint(report: Report, sites, nearest: str | None = None) -> str:
         for a culprit in the step's own bookkeeping, the largest weights (``largest_weights``).
     """
     if in_step_bookkeeping(report):
-        big = max((s.get("max_abs") or 0.0 for s in report.inputs), default=0.0)
+        big = _largest_input(report)
         return (
             f"the culprit `{report.primitive}` at {report.source} is the train step's own "
             f"bookkeeping (its f32 sum of squares of the gradients or of the update): every "

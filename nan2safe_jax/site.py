@@ -169,6 +169,13 @@ def path_name(path) -> str:
 _path_name = path_name  # the old private name
 
 
+def param_name(key_path) -> str:
+    """A pytree key path into a state's parameters as a dotted name, the ``Variable``'s own
+    attribute left out: ``['blocks'][0]['up']['kernel'].value`` -> ``"blocks.0.up.kernel"``."""
+    keys = (getattr(k, "key", getattr(k, "idx", None)) for k in key_path)
+    return path_name([k for k in keys if k is not None])
+
+
 def iter_sites(model: nnx.Module):
     """Yields ``(name, module)`` for every module of ``model`` that holds a ``SiteGear``."""
     for path, node in nnx.iter_graph(model):

@@ -37,6 +37,7 @@ from nan2safe_jax.site import (
     SiteTemplate,
     fill_defaults,
     name_sites,
+    param_name,
     path_name,
     probe_blocks,
     probe_rows,
@@ -277,8 +278,7 @@ def lr_factors(params, gs: GearState, factor: float):
     names = sorted(gs.sites, key=len, reverse=True)
 
     def one(path, leaf):
-        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
-        pname = path_name([k for k in keys if k is not None])
+        pname = param_name(path)
         site = next((n for n in names if pname == n or pname.startswith(n + ".")), None)
         g = gs.level if site is None else gear_lib.effective(gs, site)
         f = jnp.where(g >= Gear.SAFE, factor, 1.0).astype(jnp.float32)

@@ -44,7 +44,7 @@ def _times_pow2_saturated(v: jax.Array, *exponents: jax.Array) -> jax.Array:
     """
     v = jnp.asarray(v, _F32)
     bits = lax.bitcast_convert_type(v, jnp.int32)
-    field = lax.shift_right_logical(bits, jnp.int32(23)) & 0xFF  # the biased exponent
+    field = _exponent_field(v)
     t = field + sum(jnp.asarray(x, jnp.int32) for x in exponents)
     moved = (bits & jnp.int32(~(0xFF << 23))) | lax.shift_left(jnp.clip(t, 1, 254), jnp.int32(23))
     out = lax.bitcast_convert_type(moved, _F32)
@@ -52,6 +52,13 @@ def _times_pow2_saturated(v: jax.Array, *exponents: jax.Array) -> jax.Array:
     out = jnp.where(t > 254, jnp.where(v < 0, -big, big), out)
     out = jnp.where((t < 1) | (field == 0), jnp.zeros_like(v), out)
     return jnp.where(field == 0xFF, v, out)
+
+
+def _exponent_field(v: jax.Array) -> jax.Array:
+    """The biased exponent bits of f32 ``v`` (int32: 0 for zero and subnormals, 255 for inf
+    and NaN; a normal ``|v|`` is ``m · 2^(field - 127)``, ``m`` in [1, 2))."""
+    bits = lax.bitcast_convert_type(jnp.asarray(v, _F32), jnp.int32)
+    return lax.shift_right_logical(bits, jnp.int32(23)) & 0xFF
 
 
 def _pow2(e: jax.Array) -> jax.Array:
@@ -82,9 +89,8 @@ def _range_exponent(x: jax.Array, axis=None, keepdims=False) -> jax.Array:
     amax = lax.stop_gradient(jnp.max(jnp.abs(x), axis=axis, keepdims=keepdims, initial=0.0))
     amax = amax.astype(_F32)  # exact for every narrower float
     # frexp's exponent from the bits (``jnp.frexp`` compiled ~25 instructions per call, in
-    # every SAFE path of the general program): a normal |x| is m·2^(field - 127), m in [1, 2)
-    field = lax.shift_right_logical(lax.bitcast_convert_type(amax, jnp.int32), 23) & 0xFF
-    e = jnp.where(amax == 0, 0, field - 126)
+    # every SAFE path of the general program)
+    e = jnp.where(amax == 0, 0, _exponent_field(amax) - 126)
     return jnp.where(jnp.isfinite(amax), jnp.clip(e, -120, 120), 0).astype(jnp.int32)
 
 
