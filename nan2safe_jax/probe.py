@@ -285,8 +285,12 @@ def stats(x: jax.typing.ArrayLike) -> jax.Array:
     one = lambda b: b.astype(jnp.float32)
     zero = jnp.zeros((), jnp.float32)
     ax = jnp.abs(xz)
-    # The squares of x * 2**-16: no inf below |x| ~1.2e24 (f32's square overflowed at 1.8e19)
-    parts = (xz, jnp.square(ax * _SUM_SCALE), ax, one(nan), one(pos), one(neg))
+    # The sums of x * 2**-16 and of its squares: no inf below |x| ~1.2e24 in the squares (f32's
+    # square overflowed at 1.8e19), none in the sum of under 65536 values whatever they are
+    # (the mean of 100 values of 1e37 was inf; past that, the mean saturates); a power of two
+    # scales exactly.
+    xs = xz * _SUM_SCALE
+    parts = (xs, jnp.square(xs), ax, one(nan), one(pos), one(neg))
     if _PARTITIONED.get() and xf.ndim:
         stacked = jnp.stack([parts[i] for i in (0, 1, 3, 4, 5)])
         sums = jnp.sum(stacked, tuple(range(1, xf.ndim + 1)))
@@ -298,9 +302,10 @@ def stats(x: jax.typing.ArrayLike) -> jax.Array:
     # One division: XLA does not copy a division into several consumers, so ``total / n`` and
     # ``total_sq / n`` were a kernel each; the products below fuse into what reads them.
     inv_n = 1.0 / jnp.maximum(float(xf.size) - n_nan - n_pos - n_neg, 1.0)
-    mean = total * inv_n
+    mean_s = total * inv_n
+    mean = jnp.clip(mean_s, -_F32_MAX * _SUM_SCALE, _F32_MAX * _SUM_SCALE) * (1.0 / _SUM_SCALE)
     # the variance from the scaled squares: exact, saturating at f32's max; a scalar's is 0
-    var = jnp.maximum(total_sq * inv_n - jnp.square(mean * _SUM_SCALE), 0.0)
+    var = jnp.maximum(total_sq * inv_n - jnp.square(mean_s), 0.0)
     top = jnp.full_like(var, _F32_MAX * _SUM_SCALE**2)  # (a sum of squares past f32: inf, NaN)
     var = lax.min(lax.select(jnp.isnan(var), top, var), top) * (1.0 / _SUM_SCALE**2)
     if xf.size <= 1:

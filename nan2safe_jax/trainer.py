@@ -298,6 +298,9 @@ class Trainer:
         self.rollbacks = 0
         self._checkpoint_due = False  # a checkpoint waiting past skipped steps (``_finish``)
         self._damaged_from: int | None = None  # checkpoint of the last "damaged" rollback
+        # (checkpoint, ``incidents`` then) of the last restore, until a step applies on it
+        # (``_passed_over``)
+        self._restored: tuple[int, int] | None = None
         self.spikes = SpikeWatch(self.cfg)
         self.spike_rollbacks = 0
         self._lr_left = 0  # steps left at the lowered learning rate after a loss spike
@@ -480,6 +483,7 @@ class Trainer:
         if found is not None:
             self.state, step = found
             self.step = int(step)
+            self._restored = (self.step, 0)
             self._checkpointed = weakref.ref(self.state)
             changed = _config_changes(recorded, run["config"])
             if changed:
@@ -690,6 +694,8 @@ class Trainer:
           rollback, the learning rate back after a loss spike).
         """
         m = _host(done.metrics)
+        if not m["skipped"]:
+            self._restored = None  # a step trained on the restored checkpoint: it holds
         decided = None
         if m["overflow"] and not self._loss_scale_matters(done):
             decided = self._overflow_decision(done, m)
@@ -800,7 +806,14 @@ class Trainer:
         """Raises ``NanIncidentError`` (logged) once ``incidents`` passes ``max_incidents``, or
         once more than ``max_incidents`` batches in a row were polluted input: each of those is
         skipped and not counted as an incident, but a data pipeline that yields nothing usable
-        would otherwise skip every step, forever."""
+        would otherwise skip every step, forever.
+
+        Stopped for incidents, the trainer is left on the newest finite checkpoint (as
+        ``_rollback`` picks it; a ``stop_restore`` event), as a resume would be: the state the
+        steps kept failing on is never trained on by a ``fit`` after the error (the one before
+        each located step is in the workdir's ``incidents/``). Stopped for polluted input, the
+        state stays: the data was at fault, not the state.
+        """
         limit = self.cfg.max_incidents
         if self.incidents > limit:
             detail = f"{self.incidents} incidents: stopping"
@@ -811,6 +824,16 @@ class Trainer:
         else:
             return
         self.log.append("error", step_no, detail=detail)
+        found = self._restore_newest(step_no) if self.incidents > limit else None
+        if found is not None:
+            self.state, ckpt, extra = found
+            self.step = ckpt
+            self._checkpoint_due = False
+            self.ring = collections.deque(
+                [(s, b) for s, b in self.ring if s < ckpt], maxlen=self.ring.maxlen
+            )
+            self.log.append("stop_restore", step_no, to_step=ckpt, **extra)
+            why += f"; the trainer is left on checkpoint {ckpt}"
         hint = "" if decision.hint is None else f"\n{decision.hint}"
         raise NanIncidentError(f"{why}; last report:\n{decision.report}{hint}", decision.report)
 
@@ -995,16 +1018,11 @@ class Trainer:
           checkpoint exists.
         """
         self._beat()
-        self.checkpoints.wait()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            found = self.checkpoints.restore_latest(self.state, before=done.step)
-        for w in caught:
-            self.log.append("error", _skipped_step(w.message, done.step), detail=str(w.message))
+        found = self._restore_newest(done.step)
         if found is None:
             self.log.append("error", done.step, detail="no finite checkpoint to roll back to")
             return None
-        state, ckpt = found
+        state, ckpt, extra = found
         self._checkpoint_due = False  # the run starts over from a checkpoint
         if decision.gear is not None:
             state = state.replace(gear=decision.gear)
@@ -1015,7 +1033,6 @@ class Trainer:
         kept = [(s, b) for s, b in self.ring if s < ckpt]
         self.ring = collections.deque(kept, maxlen=self.ring.maxlen)
         self.rollbacks += 1
-        extra = {}
         if decision.kind == "damaged":
             if self._damaged_from == ckpt:
                 # The replay after the last rollback to this checkpoint damaged the state
@@ -1036,6 +1053,51 @@ class Trainer:
             **extra,
         )
         return _Restart(state, [(b, True) for _, b in replay], rolled_back=True)
+
+    def _passed_over(self) -> list[int]:
+        """The checkpoint a restore now passes over: the one the last restore (a rollback, a
+        resume) brought back, once two steps since have failed and none applied.
+
+        Such a checkpoint is a finite state the steps refuse (a weight made ×1e15: every step
+        an incident), and restoring it again would loop until ``max_incidents``. The
+        checkpoint-wait in ``_finish`` keeps most of them from being written, not one saved
+        from a bad update at the due step itself, or by ``save()``. One failure is not enough:
+        a rollback's first replayed step may fail at another site, on a good checkpoint.
+        """
+        if self._restored is None:
+            return []
+        ckpt, incidents_then = self._restored
+        return [ckpt] if self.incidents - incidents_then >= 2 else []
+
+    def _restore_newest(self, step_no: int) -> tuple[TrainState, int, dict] | None:
+        """The newest finite checkpoint at or before ``step_no`` that ``_passed_over`` does
+        not pass over (then those after it are deleted, a timeline abandoned), or None.
+
+        Returns:
+          ``(state, checkpoint step, extra)``: ``extra`` for the event
+          (``passed_over``, ``deleted_checkpoints``) when a checkpoint was passed over.
+        """
+        self.checkpoints.wait()
+        passed = self._passed_over()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            before = passed[0] - 1 if passed else step_no
+            found = self.checkpoints.restore_latest(self.state, before=before)
+            if found is None and passed:  # none older: the one there is, all the same
+                passed = []
+                found = self.checkpoints.restore_latest(self.state, before=step_no)
+        for w in caught:
+            self.log.append("error", _skipped_step(w.message, step_no), detail=str(w.message))
+        if found is None:
+            return None
+        state, ckpt = found
+        extra = {}
+        if passed:
+            deleted = self.checkpoints.delete_after(ckpt)
+            extra = {"passed_over": passed, "deleted_checkpoints": deleted}
+        if self._restored is None or self._restored[0] != ckpt:
+            self._restored = (int(ckpt), self.incidents)
+        return state, int(ckpt), extra
 
     def _spike(self, done: _Step, spike: Spike) -> _Restart | None:
         """Loss-spike rollback: the checkpoint before the spike, without the data that led in.
@@ -1064,6 +1126,8 @@ class Trainer:
             )
             return None
         state, ckpt = found
+        if self._restored is None or self._restored[0] != ckpt:
+            self._restored = (int(ckpt), self.incidents)
         replay = [(s, b) for s, b in self.ring if ckpt <= s < spike.start]
         have = {s for s, _ in replay}
         missing = [s for s in range(ckpt, spike.start) if s not in have]

@@ -156,6 +156,20 @@ def test_stats_of_a_huge_scalar_or_constant_keep_their_mean_and_zero_variance():
     assert const[probe.VAR] <= 1e-5 * 3e20**2  # (f32 rounding of E[x^2] - E[x]^2)
 
 
+def test_the_mean_of_values_whose_sum_passes_f32_stays_finite():
+    """review29: 100 values of 1e37 sum past f32's max, and the mean read inf (a metrics row
+    with an inf in it, for finite values); the sum of ``x * 2**-16`` keeps it exact."""
+    for sign in (1.0, -1.0):
+        x = jnp.full((100,), sign * 1e37, jnp.float32).at[0].set(-sign * 3e38)
+        got = np.asarray(jax.jit(probe.stats)(x), np.float64)
+        want = np.float64(np.asarray(x, np.float64).mean())
+        assert np.all(np.isfinite(got)), got
+        np.testing.assert_allclose(got[probe.MEAN], want, rtol=1e-5)
+    # past ~74000 values of 3e38 the scaled sum too passes f32: the mean saturates at the max
+    got = np.asarray(jax.jit(probe.stats)(jnp.full((200_000,), 3e38, jnp.float32)), np.float64)
+    assert got[probe.MEAN] == float(jnp.finfo(jnp.float32).max), got
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_headroom_under_jit_is_the_eager_fraction_of_the_dtypes_max(dtype):
     """``max_abs / finfo.max``: XLA turned the division into a multiply by ``1 / 3.4e38``,

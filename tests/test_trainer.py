@@ -675,6 +675,50 @@ def test_a_state_no_loss_scale_cures_is_an_incident_and_the_rollback_finds_the_c
     tr.close()
 
 
+def test_a_checkpoint_every_step_refuses_is_passed_over_for_the_one_before(tmp_path):
+    """A finite state that every step refuses (a weight ×1e15) saved as checkpoint 4 (here by
+    ``save()``; in a run, by a bad update applied at the due step itself). The first rollback
+    restores it; once two steps since that restore have failed with none applied, the rollback
+    restores checkpoint 0 instead, deletes checkpoint 4 and the run recovers. Before, every
+    rollback restored checkpoint 4 until ``max_incidents``. ``NanIncidentError`` leaves the
+    trainer on the newest finite checkpoint, never on the state that failed."""
+    batches = _batches(20)
+    tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
+    tr.fit(batches[:4], steps=4)
+    good = jax.tree_util.tree_map(np.asarray, tr.checkpoints.restore(0, tr.state).params)
+    tr.state = tr.state.replace(
+        params=jax.tree_util.tree_map_with_path(
+            lambda p, a: a * 1e15 if "head" in str(p) and "kernel" in str(p) else a,
+            tr.state.params,
+        )
+    )
+    assert tr.save()
+    hist = tr.fit(batches[4:], steps=6)
+    ev = tr.events
+    rb = [e for e in ev if e["type"] == "rollback"]
+    assert [e["to_step"] for e in rb] == [4, 0] and tr.incidents == 5, _types(ev)
+    assert "passed_over" not in rb[0] and rb[1]["passed_over"] == [4], rb
+    assert tr.checkpoints.steps()[:2] == [0, 5] and rb[-1]["missing"] == []
+    assert not hist[-1]["skipped"] and float(jnp.abs(tr.state.params["head"]["kernel"]).max()) < 10
+    tr.close()
+
+    # The same with max_incidents=3: the fourth incident stops the run, before the rollback
+    # that would pass checkpoint 4 over; the trainer is left on checkpoint 0 all the same.
+    cfg = CFG.replace(max_incidents=3)
+    tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, cfg, tmp_path / "stop")
+    tr.fit(batches[:4], steps=4)
+    tr.state = tr.state.replace(params=jax.tree_util.tree_map(lambda a: a * 1e15, tr.state.params))
+    assert tr.save()
+    with pytest.raises(NanIncidentError, match="checkpoint 0"):
+        tr.fit(batches[4:], steps=6)
+    assert tr.step == 0 and tr.events[-1]["type"] == "stop_restore", tr.events[-1]
+    assert tr.events[-1]["passed_over"] == [4]
+    jax.tree_util.tree_map(
+        np.testing.assert_array_equal, jax.tree_util.tree_map(np.asarray, tr.state.params), good
+    )
+    tr.close()
+
+
 def _loud(model, batch):
     """``loss_fn`` times the batch's third leaf: 1e15 makes the scaled gradients square past
     f32, which a smaller loss scale cures (an overflow skip in an f32 model)."""
