@@ -99,6 +99,12 @@ def _modules(dtype):
             x,
             lambda m, x: m(x),
         ),
+        "BatchNorm": (
+            nnx.BatchNorm(D, rngs=nnx.Rngs(0), **kw),
+            nn.BatchNorm(D, rngs=nnx.Rngs(0), **kw),
+            x,
+            lambda m, x: m(x),
+        ),
         "MultiHeadAttention": (
             nnx.MultiHeadAttention(H, D, rngs=nnx.Rngs(0), decode=False, **kw),
             nn.MultiHeadAttention(H, D, rngs=nnx.Rngs(0), **kw),

@@ -2,10 +2,11 @@
 
 ``convert(model)`` walks the model graph (attributes, ``nnx.List``/``nnx.Dict``, plain lists,
 tuples and dicts held as ``nnx.data``) and replaces every ``nnx.Linear``, ``nnx.LinearGeneral``,
-``nnx.Embed``, ``nnx.LayerNorm``, ``nnx.RMSNorm`` and ``nnx.MultiHeadAttention`` by the
-``nan2safe_jax.nn`` module of the same name. The new module is built abstractly
-(``nnx.eval_shape``: nothing is initialised) from the old one's configuration and then given the
-old module's very ``nnx.Param`` objects (and its KV cache and dropout RNG stream), so:
+``nnx.Embed``, ``nnx.LayerNorm``, ``nnx.RMSNorm``, ``nnx.BatchNorm`` and
+``nnx.MultiHeadAttention`` by the ``nan2safe_jax.nn`` module of the same name. The new module is
+built abstractly (``nnx.eval_shape``: nothing is initialised) from the old one's configuration
+and then given the old module's very ``nnx.Param`` objects (and its KV cache and dropout RNG
+stream, a BatchNorm's running averages), so:
 
 - no parameter is copied and none changes: ``nnx.state(model, nnx.Param)`` has the same paths,
   shapes, values and metadata before and after, so optimizer states and checkpoints of the
@@ -18,7 +19,7 @@ old module's very ``nnx.Param`` objects (and its KV cache and dropout RNG stream
   tier 2 can put one layer in SAFE.
 
 What is left alone is reported: flax layers with no ``nan2safe_jax.nn`` counterpart (``Conv``,
-``BatchNorm``, ``Dropout`` ...), convertible layers whose configuration the site does not support
+``Dropout`` ...), convertible layers whose configuration the site does not support
 (a custom ``dot_general`` or ``attention_fn``, cross-device norm statistics), and the user
 modules whose own ``__call__`` code (hand-written attention, a loss in ``jnp``) runs outside
 every site: tier 2 can name an equation there but no gear reaches it. Wrap such code in
@@ -105,6 +106,24 @@ def _norm_kwargs(m, bias: bool) -> dict:
     return kw
 
 
+def _batch_norm_kwargs(m) -> dict:
+    return dict(
+        num_features=m.num_features,
+        use_running_average=m.use_running_average,
+        axis=m.axis,
+        momentum=m.momentum,
+        epsilon=m.epsilon,
+        dtype=m.dtype,
+        param_dtype=m.param_dtype,
+        use_bias=m.use_bias,
+        use_scale=m.use_scale,
+        axis_name=m.axis_name,
+        axis_index_groups=m.axis_index_groups,
+        use_fast_variance=m.use_fast_variance,
+        promote_dtype=m.promote_dtype,
+    )
+
+
 def _mha_kwargs(m) -> dict:
     return dict(
         num_heads=m.num_heads,
@@ -142,6 +161,8 @@ CONVERTIBLE: dict[type, tuple[type, Any, tuple[str, ...]]] = {
     nnx.Embed: (nn_lib.Embed, _embed_kwargs, ()),
     nnx.LayerNorm: (nn_lib.LayerNorm, lambda m: _norm_kwargs(m, True), ()),
     nnx.RMSNorm: (nn_lib.RMSNorm, lambda m: _norm_kwargs(m, False), ()),
+    # the running averages (``nnx.BatchStat``) are shared, as the parameters are
+    nnx.BatchNorm: (nn_lib.BatchNorm, _batch_norm_kwargs, ("mean", "var")),
     nnx.MultiHeadAttention: (
         nn_lib.MultiHeadAttention,
         _mha_kwargs,

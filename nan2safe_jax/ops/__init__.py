@@ -50,7 +50,7 @@ from nan2safe_jax.ops.attention import attention
 from nan2safe_jax.ops.cross_entropy import cross_entropy
 from nan2safe_jax.ops.dispatch import _FastVJP, _static_gear, _switch_fast_vjp, branch_site, switch
 from nan2safe_jax.ops.linear import linear
-from nan2safe_jax.ops.norms import layer_norm, rms_norm
+from nan2safe_jax.ops.norms import batch_norm, layer_norm, rms_norm
 from nan2safe_jax.ops.router import Routing, router
 from nan2safe_jax.ops.softmax import logsumexp, softmax
 from nan2safe_jax.probe import op_stats as _stats
@@ -62,6 +62,7 @@ __all__ = [
     "Routing",
     "attention",
     "cross_entropy",
+    "batch_norm",
     "layer_norm",
     "linear",
     "logsumexp",

@@ -288,3 +288,198 @@ def rms_norm(
     """
     y, st = _norm(x, scale, None, eps, gear, mask, use_fast_variance, False, stats, dtype)
     return (y, st) if return_stats else y
+
+
+# --- BatchNorm: statistics over every axis but the features', running averages ------------
+
+BATCH_NORM_STATS = ("inv_std", "input_rms")
+
+
+def _bn_shapes(x, axis):
+    """``(reduction axes, feature axes, the features' broadcast shape)`` for ``axis``."""
+    feat = tuple(sorted({a % x.ndim for a in ((axis,) if isinstance(axis, int) else axis)}))
+    red = tuple(a for a in range(x.ndim) if a not in feat)
+    shape = tuple(x.shape[a] if a in feat else 1 for a in range(x.ndim))
+    return red, feat, shape
+
+
+def _bn_probes(mean, var, inv, dtype, want):
+    """A BatchNorm's probes, per feature, from the statistics it takes anyway (``_probes``'s,
+    with features for rows): ``inv_std`` and ``input_rms`` (``hypot(std, mean)`` in the
+    input's dtype)."""
+    return _probes(inv, mean, var, dtype, want, center=True)
+
+
+def _bn_running(ra_mean, ra_var, mean, var, momentum):
+    """flax's running averages, in the variables' own dtype (not differentiated)."""
+    new = lambda ra, s: lax.stop_gradient(momentum * ra + (1 - momentum) * s)  # noqa: E731
+    return new(ra_mean, mean), new(ra_var, var)
+
+
+def _bn_fast(
+    x, scale, bias, ra_mean, ra_var, mask, *, eps, momentum, axis, running, fast_var, want, dtype
+):
+    """flax's ``BatchNorm.__call__``, in its order of operations (which fixes the gradient's
+    sums): ``promote_dtype`` of the input, the running statistics and the affine parameters to
+    ``dtype``; in training, ``_compute_stats`` over the reduction axes (in ``promote(dtype,
+    f32)``) and the running averages of the variables as stored; ``_normalize``."""
+    red, _, shape = _bn_shapes(x, axis)
+    cast = lambda a: None if a is None else a.astype(dtype)  # noqa: E731
+    xc, mean, var, scale_c, bias_c = map(cast, (x, ra_mean, ra_var, scale, bias))
+    if not running:
+        xs = jnp.asarray(xc, jnp.promote_types(dtype, _F32))
+        if fast_var:
+            sq = lax.square(xs)
+            mean, mu2 = xs.mean(red, where=mask), sq.mean(red, where=mask)
+            var = jnp.maximum(0.0, mu2 - lax.square(mean))
+        else:
+            mean = xs.mean(red, where=mask)
+            var = lax.square(xs - jnp.expand_dims(mean, red)).mean(red, where=mask)
+        ra_mean, ra_var = _bn_running(ra_mean, ra_var, mean, var, momentum)
+    y = xc - mean.reshape(shape)
+    mul = lax.rsqrt(var.reshape(shape) + eps)
+    st = _bn_probes(mean, var, mul.reshape(-1), xc.dtype, want)
+    if scale_c is not None:
+        mul = mul * scale_c.reshape(shape)
+    y = y * mul
+    if bias_c is not None:
+        y = y + bias_c.reshape(shape)
+    return jnp.asarray(y, dtype), ra_mean, ra_var, st
+
+
+def _masked_mean(v, red, mask):
+    """The mean over ``red`` of the masked positions only (at least one counted), keepdims."""
+    if mask is None:
+        return jnp.mean(v, red, keepdims=True)
+    n = jnp.maximum(jnp.sum(mask, red, keepdims=True), 1).astype(_F32)
+    return jnp.sum(jnp.where(mask, v, 0.0), red, keepdims=True) / n
+
+
+def _bn_stable(
+    x, scale, bias, ra_mean, ra_var, mask, *, eps, momentum, axis, running, fast_var, want, dtype
+):
+    """f32 two-pass statistics and f32 math (operands cast to ``dtype`` first, as FAST),
+    saturated back to ``dtype``."""
+    del fast_var
+    red, _, shape = _bn_shapes(x, axis)
+    xf = x.astype(dtype).astype(_F32)
+    scale, bias = (
+        None if a is None else a.astype(dtype).astype(_F32).reshape(shape) for a in (scale, bias)
+    )
+    if running:
+        mean, var = ra_mean.astype(_F32).reshape(shape), ra_var.astype(_F32).reshape(shape)
+    else:
+        mean = _masked_mean(xf, red, mask)
+        var = _masked_mean(jnp.square(xf - mean), red, mask)
+        ra_mean, ra_var = _bn_running(ra_mean, ra_var, mean.reshape(-1), var.reshape(-1), momentum)
+    inv = lax.rsqrt(var + eps)
+    y = _affine((xf - mean) * inv, scale, bias)
+    st = _bn_probes(mean.reshape(-1), var.reshape(-1), inv.reshape(-1), dtype, want)
+    return _saturate(y, dtype), ra_mean, ra_var, st
+
+
+def _bn_safe(
+    x, scale, bias, ra_mean, ra_var, mask, *, eps, momentum, axis, running, fast_var, want, dtype
+):
+    """f32 from the operands as given (an fp16 layer's f32 input past 65504 stays finite),
+    every feature compressed by a power of two (``BN(x; eps) == BN(x·s; eps·s²)``), two-pass
+    statistics; a degenerate feature (zero variance with ``eps=0``, no position in the mask)
+    normalises to 0 with finite gradients. The running averages take the statistics scaled
+    back, saturated at f32's max; in inference a running variance of ``-eps`` reads 0."""
+    del fast_var
+    red, _, shape = _bn_shapes(x, axis)
+    xf = x.astype(_F32)
+    scale, bias = (None if a is None else a.astype(_F32).reshape(shape) for a in (scale, bias))
+    if running:
+        mean, var = ra_mean.astype(_F32).reshape(shape), ra_var.astype(_F32).reshape(shape)
+        d = var + eps
+        inv = jnp.where(d > 0, lax.rsqrt(jnp.where(d > 0, d, 1.0)), 0.0)
+        y = _affine((xf - mean) * inv, scale, bias)
+        st = _bn_probes(mean.reshape(-1), var.reshape(-1), inv.reshape(-1), dtype, want)
+        return _saturate(y, dtype), ra_mean, ra_var, st
+    e = _range_exponent(xf, axis=red, keepdims=True)
+    xs = xf * _pow2(-e)
+    mean_s = _masked_mean(xs, red, mask)
+    xc = xs - mean_s
+    var_s = _masked_mean(jnp.square(xc), red, mask)
+    d = var_s + eps * _pow2(-2 * e)
+    inv = jnp.where(d > 0, lax.rsqrt(jnp.where(d > 0, d, 1.0)), 0.0)
+    y = _affine(xc * inv, scale, bias)
+    mean = (mean_s * _pow2(e)).reshape(-1)
+    var = _times_pow2_saturated(var_s, 2 * e).reshape(-1)
+    new_mean, new_var = _bn_running(ra_mean, ra_var, mean, var, momentum)
+    new_var = _saturate(new_var.astype(_F32), ra_var.dtype)
+    st = _bn_probes(mean, var, _times_pow2_saturated(inv, -e).reshape(-1), dtype, want)
+    return _saturate(y, dtype), new_mean, new_var, st
+
+
+def batch_norm(
+    x: jax.typing.ArrayLike,
+    scale: jax.typing.ArrayLike | None,
+    bias: jax.typing.ArrayLike | None,
+    mean: jax.typing.ArrayLike,
+    var: jax.typing.ArrayLike,
+    eps: float = 1e-5,
+    gear: Any = 0,
+    *,
+    axis: int | tuple[int, ...] = -1,
+    momentum: float = 0.99,
+    use_running_average: bool = False,
+    mask: jax.typing.ArrayLike | None = None,
+    use_fast_variance: bool = True,
+    return_stats: bool = False,
+    stats: tuple[str, ...] = BATCH_NORM_STATS,
+    dtype: Any = None,
+):
+    """BatchNorm: statistics over every axis of ``x`` but ``axis`` (the features').
+
+    FAST is ``flax.nnx.BatchNorm``'s math; STABLE takes f32 two-pass statistics and f32 math;
+    SAFE adds a power-of-two range compression per feature and degenerate features to 0 (see
+    ``_bn_safe``). In training (``use_running_average=False``) the batch's statistics
+    normalise and update the running averages ``momentum * running + (1 - momentum) * batch``;
+    in inference the running averages normalise.
+
+    Args:
+      x: the input.
+      scale, bias: ``[features]`` or None.
+      mean, var: the running averages, ``[features]`` (flax's ``BatchStat`` values).
+      eps: added to the variance (a Python float).
+      gear: FAST/STABLE/SAFE.
+      axis: the feature axis or axes.
+      momentum: of the running averages.
+      use_running_average: inference (normalise with ``mean`` and ``var``).
+      mask: bool, broadcastable to ``x``: the positions that enter the statistics.
+      use_fast_variance: FAST's variance as ``E[x²] - E[x]²`` (flax's default) or two-pass.
+      return_stats: also return ``{"inv_std": stats, "input_rms": stats}``: ``probe.op_stats``
+        of every feature's ``1/sqrt(var + eps)`` and ``sqrt(E[x²])`` (in inference, of the
+        running averages'), the norms' precursors (``layer_norm``).
+      stats: which of ``BATCH_NORM_STATS`` ``return_stats`` computes.
+      dtype: the dtype FAST and STABLE compute in (None: ``x``'s float dtype); as
+        ``layer_norm``'s.
+
+    Returns:
+      ``(y, (new_mean, new_var))`` (the running averages as given in inference), with
+      ``return_stats`` ``(y, (new_mean, new_var), stats)``.
+    """
+    if set(stats) - set(BATCH_NORM_STATS):
+        raise ValueError(f"batch_norm: stats must be among {BATCH_NORM_STATS}, got {stats!r}")
+    x = jnp.asarray(x)
+    if dtype is None:
+        x = x.astype(_float_dtype(x))
+    dtype = x.dtype if dtype is None else jnp.dtype(dtype)
+    scale = None if scale is None else jnp.asarray(scale)
+    bias = None if bias is None else jnp.asarray(bias)
+    mean, var = jnp.asarray(mean), jnp.asarray(var)
+    mask = None if mask is None else jnp.broadcast_to(jnp.asarray(mask, bool), x.shape)
+    kw = dict(
+        eps=float(eps),
+        momentum=float(momentum),
+        axis=axis,
+        running=bool(use_running_average),
+        fast_var=bool(use_fast_variance),
+        want=frozenset(stats),
+        dtype=dtype,
+    )
+    branches = [functools.partial(f, **kw) for f in (_bn_fast, _bn_stable, _bn_safe)]
+    y, new_mean, new_var, st = switch(gear, branches, x, scale, bias, mean, var, mask)
+    return (y, (new_mean, new_var), st) if return_stats else (y, (new_mean, new_var))

@@ -1,0 +1,175 @@
+"""``nn.BatchNorm`` / ``ops.batch_norm``: FAST is ``flax.nnx.BatchNorm`` bit for bit (outputs,
+running averages, gradients), STABLE and SAFE against a float64 reference, SAFE's degenerate
+and out-of-range features, ``convert`` of a CNN, and tier 2 naming a BatchNorm that overflows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from nan2safe_jax import nn, ops, replay
+from nan2safe_jax.config import Config
+from nan2safe_jax.train import TrainState, make_train_step
+
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+
+
+def _pair(**kw):
+    return nnx.BatchNorm(6, rngs=nnx.Rngs(0), **kw), nn.BatchNorm(6, rngs=nnx.Rngs(0), **kw)
+
+
+def _same(a, b):
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [None, BF16])
+@pytest.mark.parametrize("xdt", [F32, BF16, F16])
+def test_fast_is_flax_batch_norm_bit_for_bit(xdt, dtype):
+    """Outputs and running averages in training and inference, with and without a mask, for
+    the feature axis last (NHWC) and second (NCHW), fast and two-pass variance; gradients of
+    the input and the affine parameters; a scale and bias left out."""
+    for axis, shape, fast_var in ((-1, (4, 5, 6), True), (1, (4, 6, 5), False)):
+        flax_bn, site = _pair(axis=axis, dtype=dtype, use_fast_variance=fast_var)
+        x = (jax.random.normal(jax.random.key(1), shape) * 3 + 1).astype(xdt)
+        mask = jax.random.bernoulli(jax.random.key(2), 0.7, shape)
+        for m in (None, mask):
+            for running in (False, True):
+                _same(flax_bn(x, running, mask=m), site(x, running, mask=m))
+                _same(flax_bn.mean[...], site.mean[...])
+                _same(flax_bn.var[...], site.var[...])
+
+        def loss(mod, x):
+            return jnp.sum(jnp.square(mod(x).astype(F32)) * jnp.arange(x.shape[-1]))
+
+        g_flax, g_site = (nnx.grad(loss, argnums=(0, 1))(m, x) for m in (flax_bn, site))
+        _same(g_flax[1], g_site[1])
+        for k in ("scale", "bias"):
+            _same(g_flax[0][k][...], g_site[0][k][...])
+    bare = dict(use_scale=False, use_bias=False, dtype=dtype)
+    flax_bn, site = _pair(**bare)
+    _same(flax_bn(x.reshape(-1, 6)), site(x.reshape(-1, 6)))
+
+
+def _reference(x, eps, axes):
+    x64 = np.asarray(x.astype(F32), np.float64)
+    mean, var = x64.mean(axes), x64.var(axes)
+    return (x64 - mean) / np.sqrt(var + eps), mean, var
+
+
+@pytest.mark.parametrize("xdt", [F32, BF16, F16])
+@pytest.mark.parametrize("gear", [0, 1, 2])
+def test_every_gear_matches_the_float64_reference(xdt, gear):
+    """Training: the output, the running averages ``0.9 * old + 0.1 * batch`` and the
+    ``inv_std`` probe (its max is ``1/sqrt(min var + eps)``); inference normalises with the
+    running averages."""
+    x = (jax.random.normal(jax.random.key(3), (8, 3, 6)) * jnp.arange(1.0, 7.0) + 2).astype(xdt)
+    old_mean, old_var = jnp.full((6,), 0.5), jnp.full((6,), 2.0)
+    y, (mean, var), st = ops.batch_norm(
+        x, None, None, old_mean, old_var, 1e-5, gear, momentum=0.9, return_stats=True
+    )
+    want, m64, v64 = _reference(x, 1e-5, (0, 1))
+    tol = {F32: 1e-5, BF16: 2e-2, F16: 2e-3}[xdt]
+    assert y.dtype == xdt
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(mean), 0.9 * 0.5 + 0.1 * m64, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(var), 0.9 * 2.0 + 0.1 * v64, rtol=1e-5)
+    inv_max = float(st["inv_std"][0])
+    np.testing.assert_allclose(inv_max, 1 / np.sqrt(v64.min() + 1e-5), rtol=1e-5)
+    y_eval, kept = ops.batch_norm(x, None, None, mean, var, 1e-5, gear, use_running_average=True)
+    assert kept[0] is mean and kept[1] is var
+    x64 = np.asarray(x.astype(F32), np.float64)
+    want = (x64 - np.asarray(mean)) / np.sqrt(np.asarray(var, np.float64) + 1e-5)
+    np.testing.assert_allclose(np.asarray(y_eval, np.float64), want, rtol=tol, atol=tol)
+
+
+def test_safe_keeps_a_degenerate_and_an_out_of_range_feature_finite():
+    """A constant feature with ``eps=0`` (``0 * inf``) and one of ~1e30 (its variance passes
+    f32): FAST is flax's NaN; SAFE's output and gradient are finite (the constant feature 0,
+    the huge one normalised as the f64 reference), its running variance saturated, finite."""
+    x = jax.random.normal(jax.random.key(4), (16, 6)).at[:, 0].set(5.0).at[:, 1].mul(1e30)
+
+    def run(gear):
+        def f(x):
+            y, stats = ops.batch_norm(x, None, None, jnp.zeros(6), jnp.ones(6), 0.0, gear)
+            return jnp.sum(y * jnp.arange(6.0)), (y, stats)
+
+        return jax.value_and_grad(f, has_aux=True)(x)
+
+    (_, (y0, _)), _ = run(0)
+    assert not np.isfinite(np.asarray(y0[:, :2])).all()
+    (_, (y2, (mean, var))), g2 = run(2)
+    assert np.isfinite(np.asarray(y2)).all() and np.isfinite(np.asarray(g2)).all()
+    assert np.isfinite(np.asarray(var)).all() and float(var[1]) > 1e36
+    np.testing.assert_array_equal(np.asarray(y2[:, 0]), 0.0)
+    want = _reference(x[:, 1:2], 0.0, (0,))[0][:, 0]
+    np.testing.assert_allclose(np.asarray(y2[:, 1], np.float64), want, rtol=1e-5, atol=1e-5)
+
+
+class _CNN(nnx.Module):
+    def __init__(self, rngs, dtype=None):
+        self.conv = nnx.Conv(3, 8, (3, 3), dtype=dtype, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, dtype=dtype, rngs=rngs)
+        self.head = nnx.Linear(8, 4, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(nnx.relu(self.bn(self.conv(x))).mean((1, 2)))
+
+
+def test_convert_makes_a_cnns_batch_norm_a_site_sharing_its_statistics():
+    """Outputs and running averages stay flax's in training and after ``model.eval()``; the
+    site holds flax's very ``BatchStat`` objects. A BatchNorm with ``axis_name`` is left
+    alone, with the reason."""
+    model, twin = _CNN(nnx.Rngs(0)), _CNN(nnx.Rngs(0))
+    stat = model.bn.mean
+    model, report = nn.convert(model, return_report=True)
+    assert isinstance(model.bn, nn.BatchNorm) and model.bn.mean is stat
+    assert "bn: nnx.BatchNorm -> bn" in str(report)
+    x = jax.random.normal(jax.random.key(0), (4, 8, 8, 3))
+    for _ in range(2):
+        _same(model(x), twin(x))
+    _same(model.bn.var[...], twin.bn.var[...])
+    model.eval()
+    twin.eval()
+    _same(model(x), twin(x))
+    pmapped = nnx.Sequential(nnx.BatchNorm(3, axis_name="batch", rngs=nnx.Rngs(0)))
+    _, report = nn.convert(pmapped, return_report=True)
+    assert not report.converted and "axis_name" in report.left_alone[0].reason
+
+
+def test_a_bf16_batch_norm_whose_variance_overflows_is_an_incident_located_at_it():
+    """A bf16 CNN fed a batch of ~1e20: the BatchNorm's f32 variance passes f32 (FAST's
+    output is finite; its input probe and its running variance are not). The train step
+    watches the BatchNorm's probes, skips the step as an incident, and tier 2 names the
+    BatchNorm; in SAFE the same forward is finite."""
+    model = nn.convert(_CNN(nnx.Rngs(0), dtype=BF16))
+    x = jax.random.normal(jax.random.key(0), (4, 6, 6, 3))
+    y = jnp.arange(4) % 4
+
+    def loss_fn(m, batch):
+        logits = m(batch[0]).astype(F32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+    state = TrainState.create(model, optax.adam(1e-3), Config())
+    step = make_train_step(loss_fn)
+    state, m = step(state, (x, y))
+    assert not m["skipped"] and {"bn.probe_inv_std", "bn.probe_input"} <= set(m["probes"].names)
+    big = x * 1e20
+    _, m = step(state, (big, y))
+    assert m["incident"] and m["skipped"], {k: m[k] for k in ("loss", "bad_rest", "finite")}
+    graphdef, st = nnx.split(model)
+
+    def forward(x):
+        return nnx.merge(graphdef, st, copy=True)(x)
+
+    report = replay.locate(jax.make_jaxpr(forward)(big), (big,))
+    assert report is not None and report.site == "bn", report
+    model.bn.gear[...] = jnp.asarray(2, model.bn.gear[...].dtype)
+    out = model(big)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert np.isfinite(np.asarray(model.bn.var[...])).all()
