@@ -99,6 +99,12 @@ def _modules(dtype):
             x,
             lambda m, x: m(x),
         ),
+        "Conv": (
+            nnx.Conv(D // 4, D // 4, (3, 3), rngs=nnx.Rngs(0), **kw),
+            nn.Conv(D // 4, D // 4, (3, 3), rngs=nnx.Rngs(0), **kw),
+            x.reshape(B, T // 4, 16, D // 4),  # [8, 32, 16, 64]: a 32x16 image of 64 channels
+            lambda m, x: m(x),
+        ),
         "BatchNorm": (
             nnx.BatchNorm(D, rngs=nnx.Rngs(0), **kw),
             nn.BatchNorm(D, rngs=nnx.Rngs(0), **kw),

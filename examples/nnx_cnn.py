@@ -11,9 +11,8 @@ The fault: ``linear1``'s weights far too large for fp16, so its 3136-term dot pr
 65504 and the fp16 output is ``inf``. Here they are made so by the initializer
 (``linear1_init=normal(stddev=2000.0)``, about 10^5 times ``lecun_normal``'s scale): a stand-in
 for weights grown that large by training, which would take many steps to reproduce.
-``convert`` makes ``linear1`` and ``linear2`` sites and reports the two ``nnx.Conv`` layers
-as left alone (no ``nan2safe.nn`` counterpart); tier 2 then names ``linear1`` and puts it
-alone in SAFE (f32 arithmetic, saturated back to fp16).
+``convert`` makes the two ``nnx.Conv`` layers and ``linear1`` and ``linear2`` sites; tier 2
+then names ``linear1`` and puts it alone in SAFE (f32 arithmetic, saturated back to fp16).
 
 Run it: ``python -m examples.nnx_cnn`` from the repository root (a ``Trainer`` through the
 fault, every step printed); ``pytest -m slow tests/test_adopt_examples.py`` checks it.

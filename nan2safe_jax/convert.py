@@ -2,7 +2,7 @@
 
 ``convert(model)`` walks the model graph (attributes, ``nnx.List``/``nnx.Dict``, plain lists,
 tuples and dicts held as ``nnx.data``) and replaces every ``nnx.Linear``, ``nnx.LinearGeneral``,
-``nnx.Embed``, ``nnx.LayerNorm``, ``nnx.RMSNorm``, ``nnx.BatchNorm`` and
+``nnx.Conv``, ``nnx.Embed``, ``nnx.LayerNorm``, ``nnx.RMSNorm``, ``nnx.BatchNorm`` and
 ``nnx.MultiHeadAttention`` by the ``nan2safe_jax.nn`` module of the same name. The new module is
 built abstractly (``nnx.eval_shape``: nothing is initialised) from the old one's configuration
 and then given the old module's very ``nnx.Param`` objects (and its KV cache and dropout RNG
@@ -18,9 +18,9 @@ stream, a BatchNorm's running averages), so:
   gets an ``[L]`` gear and ``[L, NUM_STATS]`` probes, so ``nnx.scan`` slices them per layer and
   tier 2 can put one layer in SAFE.
 
-What is left alone is reported: flax layers with no ``nan2safe_jax.nn`` counterpart (``Conv``,
-``Dropout`` ...), convertible layers whose configuration the site does not support
-(a custom ``dot_general`` or ``attention_fn``, cross-device norm statistics), and the user
+What is left alone is reported: flax layers with no ``nan2safe_jax.nn`` counterpart
+(``ConvTranspose``, ``Dropout`` ...), convertible layers whose configuration the site does not
+support (a custom ``dot_general`` or ``attention_fn``, cross-device norm statistics), and the user
 modules whose own ``__call__`` code (hand-written attention, a loss in ``jnp``) runs outside
 every site: tier 2 can name an equation there but no gear reaches it. Wrap such code in
 ``nan2safe_jax.nn.Site`` (see ``nan2safe_jax.user_site``).
@@ -124,6 +124,27 @@ def _batch_norm_kwargs(m) -> dict:
     )
 
 
+def _conv_kwargs(m) -> dict:
+    return dict(
+        in_features=m.in_features,
+        out_features=m.out_features,
+        kernel_size=m.kernel_size,
+        strides=m.strides,
+        padding=m.padding,
+        input_dilation=m.input_dilation,
+        kernel_dilation=m.kernel_dilation,
+        feature_group_count=m.feature_group_count,
+        use_bias=m.use_bias,
+        mask=m.mask,
+        dtype=m.dtype,
+        param_dtype=m.param_dtype,
+        precision=m.precision,
+        conv_general_dilated=m.conv_general_dilated,
+        promote_dtype=m.promote_dtype,
+        preferred_element_type=m.preferred_element_type,
+    )
+
+
 def _mha_kwargs(m) -> dict:
     return dict(
         num_heads=m.num_heads,
@@ -158,6 +179,7 @@ def _mha_kwargs(m) -> dict:
 CONVERTIBLE: dict[type, tuple[type, Any, tuple[str, ...]]] = {
     nnx.Linear: (nn_lib.Linear, _linear_kwargs, ()),
     nnx.LinearGeneral: (nn_lib.LinearGeneral, _linear_general_kwargs, ()),
+    nnx.Conv: (nn_lib.Conv, _conv_kwargs, ()),
     nnx.Embed: (nn_lib.Embed, _embed_kwargs, ()),
     nnx.LayerNorm: (nn_lib.LayerNorm, lambda m: _norm_kwargs(m, True), ()),
     nnx.RMSNorm: (nn_lib.RMSNorm, lambda m: _norm_kwargs(m, False), ()),
@@ -425,7 +447,8 @@ def convert(
     def _visit(value, path):
         name = path_name(path)
         if isinstance(value, nnx.Module):
-            base = _convertible_base(type(value))
+            # a site first: ``nn.Conv`` is a subclass of ``nnx.Conv``
+            base = None if _is_site(value) else _convertible_base(type(value))
             if base is not None and type(value) is not base:
                 own = _own_code(type(value))
                 why = None

@@ -49,6 +49,7 @@ flax's default attention takes even fp16 logits in f32 (``jax.nn.dot_product_att
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -59,6 +60,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import attention as flax_attention
 from flax.nnx.nn import dtypes as flax_dtypes
+from flax.nnx.nn import linear as flax_linear
 from jax import lax
 
 from nan2safe_jax import ops
@@ -68,6 +70,7 @@ from nan2safe_jax.site import Probe, SiteGear, fill_default, fill_defaults, site
 from nan2safe_jax.site import write_probe as _write
 
 __all__ = [
+    "Conv",
     "CrossEntropy",
     "Embed",
     "Knob",
@@ -240,6 +243,85 @@ def _promoted(promote, inputs, kernel, bias, dtype):
     if not jnp.issubdtype(inputs.dtype, jnp.floating):
         inputs = inputs.astype(dtype)
     return inputs, kernel, bias, dtype
+
+
+class Conv(_Site, nnx.Conv):
+    """``nnx.Conv`` as a site: flax's constructor and preprocessing (batch axes flattened,
+    ``CIRCULAR`` / ``REFLECT`` / ``CAUSAL`` padding, the kernel mask), then the convolution and
+    bias through ``ops.conv``. FAST is flax's math; every gear returns FAST's dtype. A
+    subclass of ``nnx.Conv`` (type checks, ``nnx.view`` and flax's attributes see a Conv).
+    A custom ``conv_general_dilated`` raises (the gears own the convolution); no probe (a
+    CNN's tier 1 is its ``BatchNorm``'s).
+    """
+
+    def __init__(self, *args, **kwargs):
+        custom = kwargs.get("conv_general_dilated", lax.conv_general_dilated)
+        if custom is not lax.conv_general_dilated:
+            raise ValueError(
+                "nan2safe_jax.nn.Conv computes through ops.conv; a custom conv_general_dilated "
+                "is not supported"
+            )
+        super().__init__(*args, **kwargs)
+        self._init_site()
+
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+        _no_sharding("Conv", out_sharding)
+        ks = self.kernel_size
+        inputs = jnp.asarray(inputs)
+        batch_dims = inputs.ndim - (len(ks) + 1)
+        if batch_dims != 1:
+            batch_shape = inputs.shape[:batch_dims]
+            inputs = jnp.reshape(inputs, (-1,) + inputs.shape[batch_dims:])
+        each = functools.partial(_per_spatial_axis, n=len(ks))
+        dilation = each(self.kernel_dilation)
+        padding = flax_linear.canonicalize_padding(self.padding, len(ks))
+        if padding in ("CIRCULAR", "REFLECT"):
+            dilated = [(k - 1) * d + 1 for k, d in zip(ks, dilation, strict=True)]
+            pads = [(0, 0)] + [((k - 1) // 2, k // 2) for k in dilated] + [(0, 0)]
+            mode = {"CIRCULAR": "wrap", "REFLECT": "reflect"}[padding]
+            inputs, padding = jnp.pad(inputs, pads, mode=mode), "VALID"
+        elif padding == "CAUSAL":
+            if len(ks) != 1:
+                raise ValueError("Causal padding is only implemented for 1D convolutions.")
+            pads = [(0, 0), (dilation[0] * (ks[0] - 1), 0), (0, 0)]
+            inputs, padding = jnp.pad(inputs, pads), "VALID"
+        if self.mask is not None and self.mask.shape != self.kernel_shape:
+            raise ValueError(
+                "Mask needs to have the same shape as weights. "
+                f"Shapes are: {self.mask.shape}, {self.kernel_shape}"
+            )
+        kernel = self.kernel[...]
+        if self.mask is not None:
+            kernel = kernel * self.mask
+        with self._scope():
+            x, kernel, bias, cdtype = _promoted(
+                self.promote_dtype, inputs, kernel, _value(self.bias), self.dtype
+            )
+            y = ops.conv(
+                x,
+                kernel,
+                bias if self.use_bias else None,
+                gear=self._gear(),
+                strides=each(self.strides),
+                padding=padding,
+                lhs_dilation=each(self.input_dilation),
+                rhs_dilation=dilation,
+                dimension_numbers=flax_linear._conv_dimension_numbers(inputs.shape),
+                feature_group_count=self.feature_group_count,
+                precision=self.precision,
+                preferred_element_type=self.preferred_element_type,
+                dtype=cdtype,
+            )
+        if batch_dims != 1:
+            y = jnp.reshape(y, batch_shape + y.shape[1:])
+        return y
+
+
+def _per_spatial_axis(v, n: int) -> tuple[int, ...]:
+    """flax's ``maybe_broadcast`` in ``Conv``: None is 1, an int is itself on all ``n`` axes."""
+    if v is None:
+        v = 1
+    return (v,) * n if isinstance(v, int) else tuple(v)
 
 
 def _tuple(x) -> tuple[int, ...]:

@@ -40,13 +40,14 @@ cast back (an fp16 output past 65504 becomes ±65504, not inf), and bf16 sites a
 f32.
 
 Layout (mirrors ``nan2safe_jax.kernels``): one module per op family (``softmax`` with
-``logsumexp``, ``attention``, ``norms``, ``linear``, ``router``, ``cross_entropy``), the gear
-dispatch in ``dispatch`` and the SAFE paths' numerics in ``_numerics``.
+``logsumexp``, ``attention``, ``norms``, ``linear``, ``conv``, ``router``, ``cross_entropy``), the
+gear dispatch in ``dispatch`` and the SAFE paths' numerics in ``_numerics``.
 """
 
 from nan2safe_jax.gear import Gear
 from nan2safe_jax.ops._numerics import _pow2, _range_exponent, _saturate
 from nan2safe_jax.ops.attention import attention
+from nan2safe_jax.ops.conv import conv
 from nan2safe_jax.ops.cross_entropy import cross_entropy
 from nan2safe_jax.ops.dispatch import _FastVJP, _static_gear, _switch_fast_vjp, branch_site, switch
 from nan2safe_jax.ops.linear import linear
@@ -61,6 +62,7 @@ __all__ = [
     "SAFE",
     "Routing",
     "attention",
+    "conv",
     "cross_entropy",
     "batch_norm",
     "layer_norm",

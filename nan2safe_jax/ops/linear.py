@@ -49,11 +49,17 @@ def _in_dtype(x, kernel, bias):
     return kernel.astype(x.dtype), None if bias is None else bias.astype(x.dtype)
 
 
-def _linear_fast(x, kernel, bias, *, n, precision, pet, cdtype):
+def _contract_last(x, kernel, *, n, **kw):
+    """``lax.dot_general`` contracting the last ``n`` axes of ``x``: the branches' ``dot`` for
+    a dense layer (``ops.conv`` passes a convolution)."""
+    return lax.dot_general(x, kernel, _dims(x, n), **kw)
+
+
+def _linear_fast(x, kernel, bias, *, dot, precision, pet, cdtype):
     x = x.astype(cdtype)
     kernel, bias = _in_dtype(x, kernel, bias)
     kw = {} if pet is None else {"preferred_element_type": pet}
-    y = lax.dot_general(x, kernel, _dims(x, n), precision=precision, **kw)
+    y = dot(x, kernel, precision=precision, **kw)
     return _add_bias(y, bias)
 
 
@@ -61,19 +67,19 @@ def _out_dtype(cdtype, pet):
     return jnp.dtype(cdtype if pet is None else pet)
 
 
-def _linear_stable(x, kernel, bias, *, n, precision, pet, cdtype):
+def _linear_stable(x, kernel, bias, *, dot, precision, pet, cdtype):
     x = x.astype(cdtype)
     kernel, bias = _in_dtype(x, kernel, bias)
-    y = lax.dot_general(x, kernel, _dims(x, n), precision=precision, preferred_element_type=_F32)
+    y = dot(x, kernel, precision=precision, preferred_element_type=_F32)
     y = _add_bias(y, None if bias is None else bias.astype(_F32))
     return _saturate(y, _out_dtype(cdtype, pet))
 
 
-def _linear_safe(x, kernel, bias, *, n, precision, pet, cdtype):
+def _linear_safe(x, kernel, bias, *, dot, precision, pet, cdtype):
     del precision
     xf, kf = x.astype(_F32), kernel.astype(_F32)
     ex, ek = _range_exponent(xf), _range_exponent(kf)
-    y = lax.dot_general(xf * _pow2(-ex), kf * _pow2(-ek), _dims(x, n), precision=_HIGHEST)
+    y = dot(xf * _pow2(-ex), kf * _pow2(-ek), precision=_HIGHEST)
     y = y * _pow2(ex) * _pow2(ek)
     y = _add_bias(y, None if bias is None else bias.astype(_F32))
     return _saturate(y, _out_dtype(cdtype, pet))
@@ -122,7 +128,16 @@ def linear(
         )
     pet = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
     cdtype = x.dtype if dtype is None else jnp.dtype(dtype)
-    kw = dict(n=n, precision=precision, pet=pet, cdtype=cdtype)
+    dot = functools.partial(_contract_last, n=n)
+    return geared_contraction(dot, x, kernel, bias, gear, precision, pet, cdtype)
+
+
+def geared_contraction(dot, x, kernel, bias, gear, precision, pet, cdtype) -> jax.Array:
+    """``dot(x, kernel) + bias`` in the gear's path: FAST (flax's), STABLE (f32 accumulation,
+    saturating cast back), SAFE (f32 operands as given, power-of-two range compression,
+    ``HIGHEST``); ``dot(x, kernel, precision=, [preferred_element_type=])`` is the
+    contraction (``lax.dot_general``, ``lax.conv_general_dilated``)."""
+    kw = dict(dot=dot, precision=precision, pet=pet, cdtype=cdtype)
     branches = [functools.partial(f, **kw) for f in (_linear_fast, _linear_stable, _linear_safe)]
     if _stable_is_fast(cdtype, pet):
         branches[1] = branches[0]  # one path for both gears: XLA compiles it once

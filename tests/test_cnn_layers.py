@@ -1,6 +1,9 @@
-"""``nn.BatchNorm`` / ``ops.batch_norm``: FAST is ``flax.nnx.BatchNorm`` bit for bit (outputs,
-running averages, gradients), STABLE and SAFE against a float64 reference, SAFE's degenerate
-and out-of-range features, ``convert`` of a CNN, and tier 2 naming a BatchNorm that overflows.
+"""A CNN's layers as sites. ``nn.BatchNorm`` / ``ops.batch_norm``: FAST is
+``flax.nnx.BatchNorm`` bit for bit (outputs, running averages, gradients), STABLE and SAFE
+against a float64 reference, SAFE's degenerate and out-of-range features. ``nn.Conv`` /
+``ops.conv``: FAST is ``flax.nnx.Conv`` bit for bit over its padding modes, strides, dilations,
+groups and mask; STABLE and SAFE against a float64 reference. ``convert`` of a CNN, and tier 2
+naming a BatchNorm that overflows and an fp16 convolution whose output passes 65504.
 """
 
 from __future__ import annotations
@@ -28,8 +31,11 @@ def _same(a, b):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-@pytest.mark.parametrize("dtype", [None, BF16])
-@pytest.mark.parametrize("xdt", [F32, BF16, F16])
+# (input dtype, compute dtype): each input dtype with flax's default, and a bf16 layer on f32
+_DTYPES = [(F32, None), (BF16, None), (F16, None), (F32, BF16)]
+
+
+@pytest.mark.parametrize(("xdt", "dtype"), _DTYPES)
 def test_fast_is_flax_batch_norm_bit_for_bit(xdt, dtype):
     """Outputs and running averages in training and inference, with and without a mask, for
     the feature axis last (NHWC) and second (NCHW), fast and two-pass variance; gradients of
@@ -111,6 +117,121 @@ def test_safe_keeps_a_degenerate_and_an_out_of_range_feature_finite():
     np.testing.assert_allclose(np.asarray(y2[:, 1], np.float64), want, rtol=1e-5, atol=1e-5)
 
 
+_CONVS = [
+    dict(in_features=3, out_features=8, kernel_size=(3, 3)),
+    dict(
+        in_features=4,
+        out_features=6,
+        kernel_size=(3, 3),
+        strides=2,
+        padding="VALID",
+        feature_group_count=2,
+    ),
+    dict(in_features=3, out_features=5, kernel_size=(3,), padding="CAUSAL", kernel_dilation=2),
+    dict(in_features=3, out_features=5, kernel_size=(2, 2), padding="CIRCULAR", use_bias=False),
+    dict(
+        in_features=3,
+        out_features=5,
+        kernel_size=(3, 3),
+        padding=((1, 0), (2, 1)),
+        input_dilation=2,
+    ),
+    dict(
+        in_features=3,
+        out_features=5,
+        kernel_size=(3, 3),
+        padding="REFLECT",
+        mask=jnp.ones((3, 3, 3, 5)).at[0].set(0),
+    ),
+]
+
+
+def _conv_input(c, xdt):
+    shape = (2, 3) + (6,) * len(c["kernel_size"]) + (c["in_features"],)  # two batch axes
+    return jax.random.normal(jax.random.key(1), shape).astype(xdt)
+
+
+@pytest.mark.parametrize(("xdt", "dtype"), _DTYPES)
+def test_fast_is_flax_conv_bit_for_bit(xdt, dtype):
+    """Outputs and the gradients of the input and kernel, over padding modes (SAME, VALID,
+    explicit, CAUSAL, CIRCULAR, REFLECT), strides, dilations, groups, a mask, no bias, 1-D and
+    2-D, two batch axes; the site is an ``nnx.Conv``."""
+    for c in _CONVS:
+        flax_conv = nnx.Conv(**c, dtype=dtype, rngs=nnx.Rngs(0))
+        site = nn.Conv(**c, dtype=dtype, rngs=nnx.Rngs(0))
+        x = _conv_input(c, xdt)
+        _same(flax_conv(x), site(x))
+
+        def loss(m, x):
+            return jnp.sum(jnp.square(m(x).astype(F32)))
+
+        g_flax, g_site = (nnx.grad(loss, argnums=(0, 1))(m, x) for m in (flax_conv, site))
+        _same(g_flax[1], g_site[1])
+        _same(g_flax[0]["kernel"][...], g_site[0]["kernel"][...])
+    assert isinstance(site, nnx.Conv)
+    with pytest.raises(ValueError, match="conv_general_dilated"):
+        nn.Conv(3, 4, (3, 3), conv_general_dilated=lambda *a, **k: None, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("xdt", [F32, BF16, F16])
+@pytest.mark.parametrize("gear", [0, 1, 2])
+def test_every_conv_gear_matches_the_float64_reference(xdt, gear):
+    c = dict(
+        in_features=4,
+        out_features=6,
+        kernel_size=(3, 3),
+        padding="VALID",
+        strides=2,
+        feature_group_count=2,
+    )
+    x = _conv_input(c, xdt)[0] * 4
+    kernel = jax.random.normal(jax.random.key(2), (3, 3, 2, 6))
+    bias = jnp.linspace(-1.0, 1.0, 6)
+    y = ops.conv(
+        x,
+        kernel,
+        bias,
+        gear,
+        strides=(2, 2),
+        padding="VALID",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        feature_group_count=2,
+    )
+    x64 = np.asarray(x.astype(F32), np.float64)
+    k64 = np.asarray(jnp.asarray(kernel, xdt).astype(F32) if gear < 2 else kernel, np.float64)
+    want = np.asarray(
+        jax.lax.conv_general_dilated(
+            x64,
+            k64,
+            (2, 2),
+            "VALID",
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            feature_group_count=2,
+            precision="highest",
+        )
+    ) + np.asarray(bias, np.float64)
+    tol = {F32: 1e-5, BF16: 3e-2, F16: 3e-3}[xdt]
+    assert y.dtype == xdt
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=tol, atol=tol * 10)
+
+
+def test_an_fp16_conv_past_65504_is_located_and_saturates_in_safe():
+    """fp16 activations of 300 through a kernel of 10s sum past 65504: FAST is flax's inf;
+    tier 2 names the convolution and the site; STABLE and SAFE saturate at 65504."""
+    site = nn.Conv(3, 4, (3, 3), dtype=F16, rngs=nnx.Rngs(0))
+    twin = nnx.Conv(3, 4, (3, 3), dtype=F16, rngs=nnx.Rngs(0))
+    for m in (site, twin):
+        m.kernel[...] = jnp.full((3, 3, 3, 4), 10.0)
+    x = jnp.full((1, 5, 5, 3), 300.0, F32)
+    _same(site(x), twin(x))
+    assert not np.isfinite(np.asarray(site(x), np.float32)).all()
+    report = replay.locate(jax.make_jaxpr(site)(x), (x,))
+    assert report.primitive == "conv_general_dilated" and report.site == "Conv", report
+    for g in (1, 2):
+        site.gear[...] = jnp.asarray(g, site.gear[...].dtype)
+        assert float(jnp.max(site(x))) == 65504.0
+
+
 class _CNN(nnx.Module):
     def __init__(self, rngs, dtype=None):
         self.conv = nnx.Conv(3, 8, (3, 3), dtype=dtype, rngs=rngs)
@@ -121,15 +242,17 @@ class _CNN(nnx.Module):
         return self.head(nnx.relu(self.bn(self.conv(x))).mean((1, 2)))
 
 
-def test_convert_makes_a_cnns_batch_norm_a_site_sharing_its_statistics():
+def test_convert_makes_a_cnns_conv_and_batch_norm_sites_sharing_their_variables():
     """Outputs and running averages stay flax's in training and after ``model.eval()``; the
-    site holds flax's very ``BatchStat`` objects. A BatchNorm with ``axis_name`` is left
-    alone, with the reason."""
+    BatchNorm site holds flax's very ``BatchStat`` objects; converting again changes nothing. A
+    BatchNorm with ``axis_name`` is left alone, with the reason."""
     model, twin = _CNN(nnx.Rngs(0)), _CNN(nnx.Rngs(0))
     stat = model.bn.mean
     model, report = nn.convert(model, return_report=True)
     assert isinstance(model.bn, nn.BatchNorm) and model.bn.mean is stat
+    assert isinstance(model.conv, nn.Conv) and "conv: nnx.Conv -> conv" in str(report)
     assert "bn: nnx.BatchNorm -> bn" in str(report)
+    assert nn.convert(model, return_report=True)[1].converted == ()  # sites stay as they are
     x = jax.random.normal(jax.random.key(0), (4, 8, 8, 3))
     for _ in range(2):
         _same(model(x), twin(x))
