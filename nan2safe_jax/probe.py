@@ -208,13 +208,15 @@ def rows_finite(s: jax.Array) -> jax.Array:
     return (s[..., NONFINITE] == 0) & jnp.isfinite(s[..., MAX_ABS])
 
 
-def headroom(max_abs: jax.Array, overflow: jax.Array, dtype) -> jax.Array:
-    """``max_abs / finfo(dtype).max`` of the finite values; 1 when a ``+inf`` is present.
+def headroom(max_abs: jax.Array, overflow: jax.Array, dtype, limit: float | None = None):
+    """``max_abs / finfo(dtype).max`` of the finite values (``max_abs / limit`` with a
+    ``limit``); 1 when a ``+inf`` is present.
 
     Needs no baseline, so the detector uses it from the first step. ``-inf`` (a mask fill) does
     not count as headroom 1 (see ``nonfinite_count``).
     """
-    return jnp.where(overflow, 1.0, _fraction_of(max_abs, _finfo_max(dtype)))
+    big = _finfo_max(dtype) if limit is None else float(limit)
+    return jnp.where(overflow, 1.0, _fraction_of(max_abs, big))
 
 
 def _fraction_of(v: jax.Array, big: float) -> jax.Array:
@@ -252,7 +254,7 @@ def _sums(a, b):
 
 
 @monitoring
-def stats(x: jax.typing.ArrayLike) -> jax.Array:
+def stats(x: jax.typing.ArrayLike, limit: float | None = None) -> jax.Array:
     """Probe statistics of one tensor, computed on device in one reduction.
 
     One pass in f32 over the finite values only, so a NaN element is counted, not averaged in.
@@ -272,11 +274,13 @@ def stats(x: jax.typing.ArrayLike) -> jax.Array:
 
     Args:
       x: any array.
+      limit: where ``x`` overflows, for the headroom (None: ``finfo(x.dtype).max``); a norm's
+        input overflows its f32 statistics first (``ops.norms._stats_limit``).
 
     Returns:
       f32[NUM_STATS]: ``max_abs`` (of the finite values), ``mean``, ``var``, ``nonfinite``
       (count of NaN and ``+inf``; ``-inf`` mask fills excluded), ``headroom`` (``max_abs /
-      finfo(x.dtype).max``; a ``+inf`` counts as headroom 1, a ``-inf`` does not).
+      limit``; a ``+inf`` counts as headroom 1, a ``-inf`` does not).
     """
     x = lax.stop_gradient(jnp.asarray(x))
     xf = x.astype(jnp.float32)
@@ -310,13 +314,13 @@ def stats(x: jax.typing.ArrayLike) -> jax.Array:
     var = lax.min(lax.select(jnp.isnan(var), top, var), top) * (1.0 / _SUM_SCALE**2)
     if xf.size <= 1:
         var = jnp.zeros_like(var)
-    head = headroom(max_abs, n_pos > 0, x.dtype)
+    head = headroom(max_abs, n_pos > 0, x.dtype, limit)
     return jnp.stack([max_abs, mean, var, n_nan + n_pos, head]).astype(jnp.float32)
 
 
-def op_stats(x: jax.Array) -> jax.Array:
+def op_stats(x: jax.Array, limit: float | None = None) -> jax.Array:
     """``stats`` for an op's probe: monitoring only, so no gradient flows through it."""
-    return lax.stop_gradient(stats(x))
+    return lax.stop_gradient(stats(x, limit))
 
 
 @monitoring

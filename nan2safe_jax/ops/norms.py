@@ -80,7 +80,7 @@ def _norm_fast(x, scale, bias, mask, *, eps, center, fast_var, want, dtype):
     stats_shape = x.shape[:-1] + (1,)
     mean, var = mean.reshape(stats_shape), var.reshape(stats_shape)
     inv = lax.rsqrt(var + eps)
-    st = _probes(inv, mean, var, x.dtype, want, center)
+    st = _probes(inv, mean, var, x.dtype, want, center, _stats_limit(x.dtype))
     if "output" in want:  # the output's sampled rows, from the same rows of x
         rows = functools.partial(probe.sample_rows, stride=probe.sample_stride(x.shape))
         st["output"] = probe.op_stats(_flax_affine(rows(x), rows(mean), rows(inv), scale, bias))
@@ -99,11 +99,22 @@ def _flax_affine(x, mean, inv, scale, bias):
     return jnp.asarray(y, x.dtype)
 
 
-def _probes(inv, mean, var, dtype, want, center):
+def _stats_limit(dtype) -> float:
+    """Where FAST's and STABLE's statistics overflow: a row whose scale passes ``sqrt(f32
+    max)`` = 2**64 (~1.8e19) squares past f32 (the variance inf, the output zeros or NaN),
+    below a bf16 or f32 input's own max; an fp16 input overflows at 65504 first. The input
+    probe's headroom is taken against it: a bf16 activation growing toward 1.8e19 read a
+    headroom of 1e-19 against bf16's 3.4e38, so only a z-score could see it coming."""
+    return min(float(jnp.finfo(dtype).max), 2.0**64)
+
+
+def _probes(inv, mean, var, dtype, want, center, limit=None):
     """The op's probes from the statistics it takes anyway: ``inv_std`` (every row's
     ``1/sqrt(var + eps)``) and ``input_rms`` (every row's ``sqrt(E[x²])``: ``hypot(std,
     mean)``, or ``sqrt(var)`` for an uncentred norm, whose ``var`` is ``E[x²]``), in the
-    input's dtype, so it overflows where the input would: the residual stream's scale.
+    input's dtype, so it overflows where the input would: the residual stream's scale; its
+    headroom against ``limit`` (FAST's and STABLE's ``_stats_limit``; None: the dtype's max,
+    SAFE's, whose compressed statistics do not overflow).
     ``hypot`` rather than ``sqrt(var + mean²)``: a row's mean past ~1.8e19 squares past f32
     while the norm's own (two-pass) variance is finite, and a probe reading an inf the model
     never computed is an incident (``train.model_probes_nonfinite``). Only those in
@@ -113,7 +124,7 @@ def _probes(inv, mean, var, dtype, want, center):
         st["inv_std"] = probe.op_stats(inv)
     if "input_rms" in want:
         rms = jnp.hypot(jnp.sqrt(var), mean) if center else jnp.sqrt(var)
-        st["input_rms"] = probe.op_stats(rms.astype(dtype))
+        st["input_rms"] = probe.op_stats(rms.astype(dtype), limit)
     return st
 
 
@@ -132,7 +143,7 @@ def _norm_stable(x, scale, bias, mask, *, eps, center, fast_var, want, dtype):
     mean, var = mean[..., None], var[..., None]
     inv = lax.rsqrt(var + eps)
     y = _affine((xf - mean) * inv, _f32(scale), _f32(bias))
-    st = _probes(inv, mean, var, x.dtype, want, center)
+    st = _probes(inv, mean, var, x.dtype, want, center, _stats_limit(x.dtype))
     return _with_output(_saturate(y, x.dtype), st, want)
 
 
@@ -303,11 +314,11 @@ def _bn_shapes(x, axis):
     return red, feat, shape
 
 
-def _bn_probes(mean, var, inv, dtype, want):
+def _bn_probes(mean, var, inv, dtype, want, limit=None):
     """A BatchNorm's probes, per feature, from the statistics it takes anyway (``_probes``'s,
     with features for rows): ``inv_std`` and ``input_rms`` (``hypot(std, mean)`` in the
-    input's dtype)."""
-    return _probes(inv, mean, var, dtype, want, center=True)
+    input's dtype, its headroom against ``limit``)."""
+    return _probes(inv, mean, var, dtype, want, True, limit)
 
 
 def _bn_running(ra_mean, ra_var, mean, var, momentum):
@@ -338,7 +349,7 @@ def _bn_fast(
         ra_mean, ra_var = _bn_running(ra_mean, ra_var, mean, var, momentum)
     y = xc - mean.reshape(shape)
     mul = lax.rsqrt(var.reshape(shape) + eps)
-    st = _bn_probes(mean, var, mul.reshape(-1), xc.dtype, want)
+    st = _bn_probes(mean, var, mul.reshape(-1), xc.dtype, want, _stats_limit(xc.dtype))
     if scale_c is not None:
         mul = mul * scale_c.reshape(shape)
     y = y * mul
@@ -374,7 +385,9 @@ def _bn_stable(
         ra_mean, ra_var = _bn_running(ra_mean, ra_var, mean.reshape(-1), var.reshape(-1), momentum)
     inv = lax.rsqrt(var + eps)
     y = _affine((xf - mean) * inv, scale, bias)
-    st = _bn_probes(mean.reshape(-1), var.reshape(-1), inv.reshape(-1), dtype, want)
+    st = _bn_probes(
+        mean.reshape(-1), var.reshape(-1), inv.reshape(-1), dtype, want, _stats_limit(dtype)
+    )
     return _saturate(y, dtype), ra_mean, ra_var, st
 
 
