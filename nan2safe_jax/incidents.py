@@ -464,8 +464,8 @@ def unsited_hint(report: Report, sites, nearest: str | None = None) -> str:
         return text + (
             " (the model has no sites at all). To make it downshiftable, run "
             "nan2safe.nn.convert(model) if it is a flax layer convert has a site for (Linear, "
-            "LinearGeneral, Embed, LayerNorm, RMSNorm, MultiHeadAttention; its report lists the "
-            "layers it left alone, e.g. nnx.Conv), or wrap that code in "
+            "LinearGeneral, Conv, Embed, LayerNorm, RMSNorm, BatchNorm, MultiHeadAttention; its "
+            "report lists the layers it left alone, e.g. nnx.ConvTranspose), or wrap that code in "
             "nan2safe.nn.Site(fast, safe=...)"
         )
     if nearest is not None:
@@ -474,8 +474,8 @@ def unsited_hint(report: Report, sites, nearest: str | None = None) -> str:
     # layer convert has no site for, or the user's own code.
     return text + (
         ". To make it downshiftable, wrap that code in nan2safe.nn.Site(fast, safe=...) (a flax "
-        "layer with no nan2safe.nn counterpart, e.g. nnx.Conv or nnx.BatchNorm, is listed as "
-        "left alone in nan2safe.nn.convert's report)"
+        "layer with no nan2safe.nn counterpart, e.g. nnx.ConvTranspose or nnx.Dropout, is listed "
+        "as left alone in nan2safe.nn.convert's report)"
     )
 
 

@@ -718,6 +718,11 @@ class Trainer:
         self._safe_exits(done.step, m)
         if m["incident"] or m["polluted"]:
             restart = self._incident(done, m, decided)
+            if restart is not None and not restart.in_place:
+                # A rollback: the next step runs at the restored checkpoint's gears (with the
+                # decision's), not at the ones this step chose (a "downshift" was logged that
+                # never took effect).
+                m["next_gear"] = int(restart.state.gear.level)
         else:
             self._polluted_streak = 0
         self._gear_events(done.step, m)

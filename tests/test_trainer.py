@@ -453,6 +453,11 @@ def test_damaged_state_is_rolled_back_and_never_trained_on(tmp_path):
         assert int(tr.state.step) == tr.step == 16
         assert tr.checkpoints.steps() == [5, 10, 15]
         assert not any(e["type"] == "locate" for e in ev)
+        # the rollback restored checkpoint 5's gears: no downshift took effect, none is logged
+        # (newuser48: a "downshift" 0 -> 1 at the failing step, every step after at gear 0)
+        assert not any(e["type"] == "downshift" for e in ev), _types(ev)
+        failed = next(h for h in hist if h["step"] == 7 and not h.get("replay"))
+        assert failed["next_gear"] == Gear.FAST
 
 
 def test_a_state_damaged_before_the_first_checkpoint_is_rolled_back_to_step_0(tmp_path):

@@ -147,6 +147,48 @@ def test_tier2_outside_every_site_says_so_and_does_not_pretend(runs):
     assert "the gears cannot fix it" in again.action
 
 
+class _MoE(nnx.Module):
+    """A user's block end: the router is a site, the expert math after it is the user's own."""
+
+    def __init__(self, rngs):
+        self.router = nn.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.router(x)
+        for _ in range(12):  # the experts, far from the router in program order
+            h = jnp.tanh(h) * 1.5 + 0.1
+        return jnp.log(h - 2.0)  # the culprit: NaN where h < 2
+
+
+class _Blocks(nnx.Module):
+    def __init__(self, rngs):
+        self.moe = nnx.List([_MoE(rngs), _MoE(rngs)])
+        self.ln = nnx.List([nn.LayerNorm(D, rngs=rngs), nn.LayerNorm(D, rngs=rngs)])
+
+    def __call__(self, x):
+        for ln, moe in zip(self.ln, self.moe, strict=True):
+            x = moe(ln(x))
+        return x
+
+
+def test_the_nearest_site_is_one_called_from_the_culprits_own_code():
+    """The culprit ends block 0's MoE; block 1's norm is the closest site in program order, but
+    the router, called from the culprit's own function, is the one named (newuser46 and
+    newuser48 were pointed at the next block's norm)."""
+    model = _Blocks(nnx.Rngs(0))
+    sites = nan2safe.site.name_sites(model)
+    graphdef, st = nnx.split(model)
+    x = jnp.ones((2, D))
+
+    def f(st, x):
+        return jnp.sum(nnx.merge(graphdef, st)(x))
+
+    jaxpr = jax.make_jaxpr(f)(st, x)
+    report = replay.locate(jaxpr, (st, x))
+    assert report.primitive == "log" and report.site is None, report
+    assert nearest_site_in_jaxpr(jaxpr, report.eqn_path, sites) == "moe.0.router"
+
+
 def _two_outputs(x, k):
     return x * k, x + k
 

@@ -72,13 +72,16 @@ _OWN_DIRS = tuple(
 )
 
 
+def user_frames(frames: Sequence[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+    """The frames outside JAX, Flax, optax and nan2safe_jax, innermost first: the user's."""
+    return tuple(f for f in frames if not f[0].startswith(_OWN_DIRS))
+
+
 def user_source(frames: Sequence[tuple[str, int]]) -> str | None:
     """``"file.py:LINE"`` of the innermost frame outside JAX, Flax, optax and nan2safe_jax: for
     an equation of a ``nan2safe.nn`` site, the model code that called the site."""
-    for file, line in frames:
-        if not file.startswith(_OWN_DIRS):
-            return f"{file}:{line}"
-    return None
+    mine = user_frames(frames)
+    return f"{mine[0][0]}:{mine[0][1]}" if mine else None
 
 
 def _ref(found: Found) -> EqnRef:

@@ -7,6 +7,10 @@ step's jaxpr down the culprit's ``Report.eqn_path`` (through the same flattening
 search uses) and, at the culprit's level, looks at its neighbours in program order, the closest
 first (the earlier one on a tie: the producer of its inputs, more often than not). If that level
 holds no site equation, the equation that contains it is looked around, one level up, and so on.
+A site called from the same invocation of the same function as the culprit (the user's frames
+above the innermost one alike: the culprit is in the module that calls that site) comes first,
+however far: the closest site in program order was the next block's first norm for a culprit
+at the end of a block's MoE, whose router is a site (newuser46, newuser48).
 Tracing only (``jax.make_jaxpr``): nothing is compiled or run.
 """
 
@@ -18,6 +22,7 @@ from typing import Any
 import jax
 
 from nan2safe_jax.replay import _jax_compat as jc
+from nan2safe_jax.replay.locate import user_frames
 from nan2safe_jax.replay.search import flatten
 from nan2safe_jax.site import site_from_name_stack
 
@@ -38,6 +43,14 @@ def _site(item, known: Collection[str] | None) -> str | None:
     if name is None or (known is not None and name not in known):
         return None
     return name
+
+
+def _same_caller(chain: tuple, culprit: tuple) -> bool:
+    """The user's frames of two equations: the same file innermost and the same frames above
+    it (one invocation of one function, up to its line)."""
+    return (
+        bool(chain) and bool(culprit) and chain[0][0] == culprit[0][0] and chain[1:] == culprit[1:]
+    )
 
 
 def nearest_site_in_jaxpr(
@@ -74,6 +87,14 @@ def nearest_site_in_jaxpr(
         _, body, _, _ = item.rule.enter(item.eqn, _step(elem, item.eqn.primitive.name), [])
         body, _ = jc.open_jaxpr(body)
         ns = item.name_stack
+    culprit = user_frames(levels[-1][0][levels[-1][1]].frames) if levels else ()
+    for items, k in reversed(levels):
+        for d in range(1, len(items)):
+            for j in (k - d, k + d):
+                if 0 <= j < len(items) and _same_caller(user_frames(items[j].frames), culprit):
+                    name = _site(items[j], known)
+                    if name is not None:
+                        return name
     for items, k in reversed(levels):
         for d in range(1, len(items)):
             for j in (k - d, k + d):
