@@ -179,7 +179,7 @@ def _mha_kwargs(m) -> dict:
 CONVERTIBLE: dict[type, tuple[type, Any, tuple[str, ...]]] = {
     nnx.Linear: (nn_lib.Linear, _linear_kwargs, ()),
     nnx.LinearGeneral: (nn_lib.LinearGeneral, _linear_general_kwargs, ()),
-    nnx.Conv: (nn_lib.Conv, _conv_kwargs, ()),
+    nnx.Conv: (nn_lib.Conv, _conv_kwargs, ("mask",)),  # (an array: abstract in the site)
     nnx.Embed: (nn_lib.Embed, _embed_kwargs, ()),
     nnx.LayerNorm: (nn_lib.LayerNorm, lambda m: _norm_kwargs(m, True), ()),
     nnx.RMSNorm: (nn_lib.RMSNorm, lambda m: _norm_kwargs(m, False), ()),
@@ -369,6 +369,13 @@ def _build(old, base: type) -> tuple[nnx.Module, tuple[int, ...]]:
                 "leading (stack) axes as the other parameters"
             )
         stack = lead
+    if stack is None:  # no parameter (a BatchNorm without scale and bias): its statistics
+        for name in carried:
+            have, want = getattr(old, name, None), getattr(new, name, None)
+            if isinstance(have, nnx.Variable) and isinstance(want, nnx.Variable):
+                h, w = _shape(have), tuple(getattr(want.get_value(), "shape", ()))
+                stack = h[: len(h) - len(w)]
+                break
     stack = stack or ()
     for path, var in old_params.items():
         parent = new

@@ -633,69 +633,32 @@ class RMSNorm(_Site):
         return y
 
 
-class BatchNorm(_Site):
-    """``nnx.BatchNorm`` as a site, through ``ops.batch_norm``.
+class BatchNorm(_Site, nnx.BatchNorm):
+    """``nnx.BatchNorm`` as a site (a subclass: flax's constructor, attributes and variables),
+    through ``ops.batch_norm``.
 
     FAST is flax's math (``promote_dtype`` of the input, running statistics and affine
     parameters; statistics in f32; ``use_fast_variance``; ``mask=``), and the running
     averages ``mean`` / ``var`` (``nnx.BatchStat``) are updated in training as flax updates
-    them. Probes, per feature: ``probe_inv_std`` (``1/sqrt(var + eps)``: rises as a feature's
-    variance collapses) and ``probe_input`` (``sqrt(E[x²])`` in the compute dtype: rises as
-    the activations grow); in inference, of the running averages. ``use_running_average`` is
-    an attribute, as flax's (``nnx.view(model, use_running_average=True)`` and
-    ``model.eval()`` set it). Cross-device statistics (``axis_name``, for ``pmap`` or
-    ``shard_map``) are not supported: under ``jit`` with sharding the statistics are global.
+    them, from their stored values. Probes, per feature: ``probe_inv_std`` (``1/sqrt(var +
+    eps)``: rises as a feature's variance collapses) and ``probe_input`` (``sqrt(E[x²])`` in the
+    compute dtype: rises as the activations grow); in inference, of the running averages.
+    ``use_running_average`` is an attribute, as flax's (``nnx.view(model,
+    use_running_average=True)`` and ``model.eval()`` set it). Cross-device statistics
+    (``axis_name``, for ``pmap`` or ``shard_map``) are not supported (a ValueError): under
+    ``jit`` with sharding the statistics are global. A custom ``promote_dtype`` gives its
+    input, scale and bias to every gear, and the output is in the input's promoted dtype.
     """
 
     probe_kinds = MappingProxyType({"probe_inv_std": "norm_inv_std", "probe_input": "norm_input"})
 
-    def __init__(
-        self,
-        num_features: int,
-        *,
-        use_running_average: bool | None = False,
-        axis: int = -1,
-        momentum: float = 0.99,
-        epsilon: float = 1e-5,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
-        use_bias: bool = True,
-        use_scale: bool = True,
-        bias_init: Any = _zeros,
-        scale_init: Any = _ones,
-        axis_name: str | None = None,
-        axis_index_groups: Any = None,
-        use_fast_variance: bool = True,
-        promote_dtype: Any = _promote,
-        rngs: nnx.Rngs,
-        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-        scale_metadata: Mapping[str, Any] = MappingProxyType({}),
-    ):
-        if axis_name is not None:
+    def __init__(self, *args, **kwargs):
+        if kwargs.get("axis_name") is not None:
             raise ValueError(
                 "BatchNorm: cross-device statistics (axis_name) are not supported; under jit "
                 "with sharding the batch statistics are global already"
             )
-        del axis_index_groups
-        shape = (num_features,)
-        self.mean = nnx.BatchStat(jnp.zeros(shape, jnp.float32))
-        self.var = nnx.BatchStat(jnp.ones(shape, jnp.float32))
-        self.scale = (
-            nnx.Param(scale_init(rngs.params(), shape, param_dtype), **scale_metadata)
-            if use_scale
-            else nnx.data(None)
-        )
-        self.bias = (
-            nnx.Param(bias_init(rngs.params(), shape, param_dtype), **bias_metadata)
-            if use_bias
-            else nnx.data(None)
-        )
-        self.num_features, self.use_running_average = num_features, use_running_average
-        self.axis, self.momentum, self.epsilon = axis, momentum, epsilon
-        self.dtype, self.param_dtype = dtype, param_dtype
-        self.use_bias, self.use_scale = use_bias, use_scale
-        self.axis_name, self.axis_index_groups = None, None
-        self.use_fast_variance, self.promote_dtype = use_fast_variance, promote_dtype
+        super().__init__(*args, **kwargs)
         self._init_site()
         self.probe_inv_std = _new_probe()
         self.probe_input = _new_probe()
@@ -713,16 +676,15 @@ class BatchNorm(_Site):
             error_msg="BatchNorm: no use_running_average, neither given nor set on the layer",
         )
         with self._scope():
-            ops_in = (jnp.asarray(x), _read(self.mean), _read(self.var))
+            x, mean, var = jnp.asarray(x), _read(self.mean), _read(self.var)
             scale, bias = _value(self.scale), _value(self.bias)
             if self.promote_dtype is _promote:  # each gear casts (SAFE: to f32, from these)
-                cdtype = flax_dtypes.canonicalize_dtype(*ops_in, scale, bias, dtype=self.dtype)
-                x, mean, var = ops_in
-            else:  # a custom one gets the five operands flax's BatchNorm gives it
-                x, mean, var, scale, bias = self.promote_dtype(
-                    (*ops_in, scale, bias), dtype=self.dtype
+                cdtype = flax_dtypes.canonicalize_dtype(x, mean, var, scale, bias, dtype=self.dtype)
+            else:  # a custom one promotes the operands; the running averages stay as stored
+                x, _, _, scale, bias = self.promote_dtype(
+                    (x, mean, var, scale, bias), dtype=self.dtype
                 )
-                cdtype = None
+                cdtype = x.dtype
             y, (new_mean, new_var), st = ops.batch_norm(
                 x,
                 scale,

@@ -483,7 +483,6 @@ class Trainer:
         if found is not None:
             self.state, step = found
             self.step = int(step)
-            self._restored = (self.step, 0)
             self._checkpointed = weakref.ref(self.state)
             changed = _config_changes(recorded, run["config"])
             if changed:
@@ -829,7 +828,12 @@ class Trainer:
         else:
             return
         self.log.append("error", step_no, detail=detail)
-        found = self._restore_newest(step_no) if self.incidents > limit else None
+        found = None
+        if self.incidents > limit:
+            try:
+                found = self._restore_newest(step_no)
+            except Exception as err:  # noqa: BLE001 - a failed restore must not hide the stop
+                self.log.append("error", step_no, detail=f"no restore at the stop: {err!r}")
         if found is not None:
             self.state, ckpt, extra = found
             self.step = ckpt
@@ -1060,8 +1064,10 @@ class Trainer:
         return _Restart(state, [(b, True) for _, b in replay], rolled_back=True)
 
     def _passed_over(self) -> list[int]:
-        """The checkpoint a restore now passes over: the one the last restore (a rollback, a
-        resume) brought back, once two steps since have failed and none applied.
+        """The checkpoint a restore now passes over: the one the last rollback (or stop)
+        restored, once two steps since have failed and none applied. Not a resume's: its
+        first rollback, after a fault located and repeated in SAFE (two incidents), would pass
+        a good checkpoint over where a run that never stopped restores it.
 
         Such a checkpoint is a finite state the steps refuse (a weight made ×1e15: every step
         an incident), and restoring it again would loop until ``max_incidents``. The

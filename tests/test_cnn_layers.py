@@ -39,8 +39,9 @@ _DTYPES = [(F32, None), (BF16, None), (F16, None), (F32, BF16)]
 def test_fast_is_flax_batch_norm_bit_for_bit(xdt, dtype):
     """Outputs and running averages in training and inference, with and without a mask, for
     the feature axis last (NHWC) and second (NCHW), fast and two-pass variance; gradients of
-    the input and the affine parameters; a scale and bias left out."""
-    for axis, shape, fast_var in ((-1, (4, 5, 6), True), (1, (4, 6, 5), False)):
+    the input and the affine parameters; a scale and bias left out (NCHW in f32 only)."""
+    layouts = ((-1, (4, 5, 6), True), (1, (4, 6, 5), False))
+    for axis, shape, fast_var in layouts if (xdt, dtype) == (F32, None) else layouts[:1]:
         flax_bn, site = _pair(axis=axis, dtype=dtype, use_fast_variance=fast_var)
         x = (jax.random.normal(jax.random.key(1), shape) * 3 + 1).astype(xdt)
         mask = jax.random.bernoulli(jax.random.key(2), 0.7, shape)
@@ -60,6 +61,39 @@ def test_fast_is_flax_batch_norm_bit_for_bit(xdt, dtype):
     bare = dict(use_scale=False, use_bias=False, dtype=dtype)
     flax_bn, site = _pair(**bare)
     _same(flax_bn(x.reshape(-1, 6)), site(x.reshape(-1, 6)))
+
+
+def _to_bf16(args, dtype=None, inexact=True):
+    """A custom ``promote_dtype``: every operand to bf16, whatever ``dtype`` says."""
+    return tuple(None if a is None else jnp.asarray(a, BF16) for a in args)
+
+
+def test_a_custom_promote_keeps_the_running_averages_as_stored_in_every_gear():
+    """flax updates the running averages from the stored f32 values, not from the promoted
+    operands: FAST matches flax's bit for bit, and under a traced gear every gear's running
+    averages stay f32 (SAFE returned bf16 ones, and the gear switch did not trace)."""
+    kw = dict(promote_dtype=_to_bf16)
+    flax_bn, site = _pair(**kw)
+    x = jax.random.normal(jax.random.key(5), (8, 6)) * 3 + 1
+    for _ in range(2):
+        _same(flax_bn(x), site(x))
+    _same(flax_bn.mean[...], site.mean[...])
+    _same(flax_bn.var[...], site.var[...])
+    graphdef, st = nnx.split(site)
+
+    @jax.jit
+    def run(st, x, gear):
+        m = nnx.merge(graphdef, st, copy=True)
+        m.gear[...] = gear
+        return m(x), nnx.state(m, nnx.BatchStat)
+
+    var = []
+    for g in range(3):
+        y, stats = run(st, x, jnp.int32(g))
+        assert y.dtype == BF16 and stats["var"][...].dtype == stats["mean"][...].dtype == F32
+        var.append(np.asarray(stats["var"][...]))
+    np.testing.assert_allclose(var[1], var[0], rtol=1e-3)
+    np.testing.assert_allclose(var[2], var[0], rtol=1e-3)
 
 
 def _reference(x, eps, axes):
@@ -146,6 +180,17 @@ _CONVS = [
 ]
 
 
+def _x64():
+    """float64 on, for a reference: ``jax.enable_x64(True)`` (``jax.experimental.enable_x64()``
+    before it existed)."""
+    on = getattr(jax, "enable_x64", None)
+    if on is not None:
+        return on(True)
+    from jax.experimental import enable_x64
+
+    return enable_x64()
+
+
 def _conv_input(c, xdt):
     shape = (2, 3) + (6,) * len(c["kernel_size"]) + (c["in_features"],)  # two batch axes
     return jax.random.normal(jax.random.key(1), shape).astype(xdt)
@@ -155,8 +200,9 @@ def _conv_input(c, xdt):
 def test_fast_is_flax_conv_bit_for_bit(xdt, dtype):
     """Outputs and the gradients of the input and kernel, over padding modes (SAME, VALID,
     explicit, CAUSAL, CIRCULAR, REFLECT), strides, dilations, groups, a mask, no bias, 1-D and
-    2-D, two batch axes; the site is an ``nnx.Conv``."""
-    for c in _CONVS:
+    2-D, two batch axes (every configuration in f32; a plain and a grouped one in the others);
+    the site is an ``nnx.Conv``."""
+    for c in _CONVS if (xdt, dtype) == (F32, None) else _CONVS[:2]:
         flax_conv = nnx.Conv(**c, dtype=dtype, rngs=nnx.Rngs(0))
         site = nn.Conv(**c, dtype=dtype, rngs=nnx.Rngs(0))
         x = _conv_input(c, xdt)
@@ -199,17 +245,19 @@ def test_every_conv_gear_matches_the_float64_reference(xdt, gear):
     )
     x64 = np.asarray(x.astype(F32), np.float64)
     k64 = np.asarray(jnp.asarray(kernel, xdt).astype(F32) if gear < 2 else kernel, np.float64)
-    want = np.asarray(
-        jax.lax.conv_general_dilated(
-            x64,
-            k64,
-            (2, 2),
-            "VALID",
-            dimension_numbers=("NHWC", "HWIO", "NHWC"),
-            feature_group_count=2,
-            precision="highest",
-        )
-    ) + np.asarray(bias, np.float64)
+    with _x64():  # (else JAX computes the reference in f32)
+        want = np.asarray(
+            jax.lax.conv_general_dilated(
+                jnp.asarray(x64),
+                jnp.asarray(k64),
+                (2, 2),
+                "VALID",
+                dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                feature_group_count=2,
+                precision="highest",
+            )
+        ) + np.asarray(bias, np.float64)
+    assert want.dtype == np.float64
     tol = {F32: 1e-5, BF16: 3e-2, F16: 3e-3}[xdt]
     assert y.dtype == xdt
     np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=tol, atol=tol * 10)
@@ -260,6 +308,17 @@ def test_convert_makes_a_cnns_conv_and_batch_norm_sites_sharing_their_variables(
     model.eval()
     twin.eval()
     _same(model(x), twin(x))
+    masked = nnx.Conv(3, 5, (3, 3), mask=jnp.ones((3, 3, 3, 5)).at[0].set(0), rngs=nnx.Rngs(0))
+    twin_conv = nnx.Conv(3, 5, (3, 3), mask=masked.mask, rngs=nnx.Rngs(0))
+    site = nn.convert(masked)  # the mask is an array: carried over, not left abstract
+    _same(site(x[..., :3]), twin_conv(x[..., :3]))
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def stack(rngs):
+        return nnx.BatchNorm(4, use_scale=False, use_bias=False, rngs=rngs)
+
+    _, report = nn.convert(stack(nnx.Rngs(0).fork(split=3)), return_report=True)
+    assert report.converted[0].stack == (3,)  # from its statistics: it has no parameter
     pmapped = nnx.Sequential(nnx.BatchNorm(3, axis_name="batch", rngs=nnx.Rngs(0)))
     _, report = nn.convert(pmapped, return_report=True)
     assert not report.converted and "axis_name" in report.left_alone[0].reason

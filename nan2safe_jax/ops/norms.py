@@ -391,14 +391,28 @@ def _bn_stable(
     return _saturate(y, dtype), ra_mean, ra_var, st
 
 
+def _bn_safe_probes(mean_s, var_s, inv_s, e, dtype, want):
+    """SAFE's probes from its range-compressed statistics (``x·2^-e``), scaled back saturating:
+    ``inv_std``, and ``input_rms`` saturated at ``dtype``'s max, as LayerNorm's SAFE
+    (``_safe_probes``): an fp16 layer's f32 input past 65504, which SAFE computes, must not
+    read as an inf the step takes for an incident."""
+    rms = _times_pow2_saturated(jnp.hypot(jnp.sqrt(var_s), mean_s), e)
+    st = {
+        "inv_std": probe.op_stats(_times_pow2_saturated(inv_s, -e).reshape(-1)),
+        "input_rms": probe.op_stats(_saturate(rms.reshape(-1), dtype)),
+    }
+    return {k: v for k, v in st.items() if k in want}
+
+
 def _bn_safe(
     x, scale, bias, ra_mean, ra_var, mask, *, eps, momentum, axis, running, fast_var, want, dtype
 ):
     """f32 from the operands as given (an fp16 layer's f32 input past 65504 stays finite),
     every feature compressed by a power of two (``BN(x; eps) == BN(x·s; eps·s²)``), two-pass
-    statistics; a degenerate feature (zero variance with ``eps=0``, no position in the mask)
-    normalises to 0 with finite gradients. The running averages take the statistics scaled
-    back, saturated at f32's max; in inference a running variance of ``-eps`` reads 0."""
+    statistics; a feature whose ``var + eps`` is 0 (zero variance with ``eps=0``; no position
+    in the mask, where ``eps > 0`` leaves ``x/sqrt(eps)``, as LayerNorm's SAFE) normalises to 0
+    with finite gradients. The running averages take the statistics scaled back, saturated at
+    f32's max (in FAST's dtype); in inference a running ``var + eps`` of 0 gives 0."""
     del fast_var
     red, _, shape = _bn_shapes(x, axis)
     xf = x.astype(_F32)
@@ -408,7 +422,7 @@ def _bn_safe(
         d = var + eps
         inv = jnp.where(d > 0, lax.rsqrt(jnp.where(d > 0, d, 1.0)), 0.0)
         y = _affine((xf - mean) * inv, scale, bias)
-        st = _bn_probes(mean.reshape(-1), var.reshape(-1), inv.reshape(-1), dtype, want)
+        st = _bn_safe_probes(mean, var, inv, jnp.zeros(shape, jnp.int32), dtype, want)
         return _saturate(y, dtype), ra_mean, ra_var, st
     e = _range_exponent(xf, axis=red, keepdims=True)
     xs = xf * _pow2(-e)
@@ -421,8 +435,9 @@ def _bn_safe(
     mean = (mean_s * _pow2(e)).reshape(-1)
     var = _times_pow2_saturated(var_s, 2 * e).reshape(-1)
     new_mean, new_var = _bn_running(ra_mean, ra_var, mean, var, momentum)
-    new_var = _saturate(new_var.astype(_F32), ra_var.dtype)
-    st = _bn_probes(mean, var, _times_pow2_saturated(inv, -e).reshape(-1), dtype, want)
+    big = jnp.finfo(new_var.dtype).max
+    new_mean, new_var = jnp.clip(new_mean, -big, big), jnp.minimum(new_var, big)
+    st = _bn_safe_probes(mean_s, var_s, inv, e, dtype, want)
     return _saturate(y, dtype), new_mean, new_var, st
 
 

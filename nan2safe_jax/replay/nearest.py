@@ -7,10 +7,11 @@ step's jaxpr down the culprit's ``Report.eqn_path`` (through the same flattening
 search uses) and, at the culprit's level, looks at its neighbours in program order, the closest
 first (the earlier one on a tie: the producer of its inputs, more often than not). If that level
 holds no site equation, the equation that contains it is looked around, one level up, and so on.
-A site called from the same invocation of the same function as the culprit (the user's frames
-above the innermost one alike: the culprit is in the module that calls that site) comes first,
-however far: the closest site in program order was the next block's first norm for a culprit
-at the end of a block's MoE, whose router is a site (newuser46, newuser48).
+A site called from the same function as the culprit (the user's frames above the innermost
+one alike: the culprit is in the module that calls that site), in the unbroken run of that
+function's equations around the culprit, comes first, however far: the closest site in
+program order was the next block's first norm for a culprit at the end of a block's MoE, whose
+router is a site (newuser46, newuser48).
 Tracing only (``jax.make_jaxpr``): nothing is compiled or run.
 """
 
@@ -53,6 +54,27 @@ def _same_caller(chain: tuple, culprit: tuple) -> bool:
     )
 
 
+def _same_caller_site(items, k: int, culprit: tuple, known) -> str | None:
+    """The site nearest to ``items[k]`` among the equations around it traced from the same
+    invocation as the culprit: each direction walks only the unbroken run of them (an
+    equation of another function ends it; one with no frame of the user's is passed), so the
+    next iteration of a loop over blocks, whose frames are the same lines, is not reached."""
+    best = None
+    for step in (-1, 1):
+        j = k + step
+        while 0 <= j < len(items):
+            chain = user_frames(items[j].frames)
+            if chain and not _same_caller(chain, culprit):
+                break
+            name = _site(items[j], known) if chain else None
+            if name is not None:
+                if best is None or abs(j - k) < best[0]:
+                    best = (abs(j - k), name)
+                break
+            j += step
+    return None if best is None else best[1]
+
+
 def nearest_site_in_jaxpr(
     jaxpr: Any, eqn_path: Sequence, known: Collection[str] | None = None
 ) -> str | None:
@@ -89,12 +111,9 @@ def nearest_site_in_jaxpr(
         ns = item.name_stack
     culprit = user_frames(levels[-1][0][levels[-1][1]].frames) if levels else ()
     for items, k in reversed(levels):
-        for d in range(1, len(items)):
-            for j in (k - d, k + d):
-                if 0 <= j < len(items) and _same_caller(user_frames(items[j].frames), culprit):
-                    name = _site(items[j], known)
-                    if name is not None:
-                        return name
+        name = _same_caller_site(items, k, culprit, known)
+        if name is not None:
+            return name
     for items, k in reversed(levels):
         for d in range(1, len(items)):
             for j in (k - d, k + d):
