@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 STATS = ("max_abs", "mean", "var", "nonfinite", "headroom")
@@ -283,7 +284,13 @@ def stats(x: jax.typing.ArrayLike, limit: float | None = None) -> jax.Array:
       limit``; a ``+inf`` counts as headroom 1, a ``-inf`` does not).
     """
     x = lax.stop_gradient(jnp.asarray(x))
-    xf = x.astype(jnp.float32)
+    big = _finfo_max(x.dtype) if limit is None else float(limit)
+    return _stats_over(x.astype(jnp.float32), tuple(range(x.ndim)), big)
+
+
+def _stats_over(xf: jax.Array, axes: tuple[int, ...], big) -> jax.Array:
+    """``stats`` of ``xf`` (f32) reduced over ``axes``: ``[*kept axes, NUM_STATS]``; ``big``
+    (a float, or an array over the kept axes) is the headroom's limit."""
     nan, pos, neg = jnp.isnan(xf), xf == jnp.inf, xf == -jnp.inf
     xz = jnp.where(nan | pos | neg, 0.0, xf)
     one = lambda b: b.astype(jnp.float32)
@@ -295,27 +302,52 @@ def stats(x: jax.typing.ArrayLike, limit: float | None = None) -> jax.Array:
     # scales exactly.
     xs = xz * _SUM_SCALE
     parts = (xs, jnp.square(xs), ax, one(nan), one(pos), one(neg))
-    if _PARTITIONED.get() and xf.ndim:
+    if _PARTITIONED.get() and axes:
         stacked = jnp.stack([parts[i] for i in (0, 1, 3, 4, 5)])
-        sums = jnp.sum(stacked, tuple(range(1, xf.ndim + 1)))
-        (total, total_sq, n_nan, n_pos, n_neg), max_abs = sums, jnp.max(parts[2])
+        sums = jnp.sum(stacked, tuple(a + 1 for a in axes))
+        (total, total_sq, n_nan, n_pos, n_neg), max_abs = sums, jnp.max(parts[2], axes)
     else:
-        total, total_sq, max_abs, n_nan, n_pos, n_neg = lax.reduce(
-            parts, (zero,) * 6, _sums, tuple(range(xf.ndim))
-        )
+        total, total_sq, max_abs, n_nan, n_pos, n_neg = lax.reduce(parts, (zero,) * 6, _sums, axes)
+    size = math.prod(xf.shape[a] for a in axes)
     # One division: XLA does not copy a division into several consumers, so ``total / n`` and
     # ``total_sq / n`` were a kernel each; the products below fuse into what reads them.
-    inv_n = 1.0 / jnp.maximum(float(xf.size) - n_nan - n_pos - n_neg, 1.0)
+    inv_n = 1.0 / jnp.maximum(float(size) - n_nan - n_pos - n_neg, 1.0)
     mean_s = total * inv_n
     mean = jnp.clip(mean_s, -_F32_MAX * _SUM_SCALE, _F32_MAX * _SUM_SCALE) * (1.0 / _SUM_SCALE)
     # the variance from the scaled squares: exact, saturating at f32's max; a scalar's is 0
     var = jnp.maximum(total_sq * inv_n - jnp.square(mean_s), 0.0)
     top = jnp.full_like(var, _F32_MAX * _SUM_SCALE**2)  # (a sum of squares past f32: inf, NaN)
     var = lax.min(lax.select(jnp.isnan(var), top, var), top) * (1.0 / _SUM_SCALE**2)
-    if xf.size <= 1:
+    if size <= 1:
         var = jnp.zeros_like(var)
-    head = headroom(max_abs, n_pos > 0, x.dtype, limit)
-    return jnp.stack([max_abs, mean, var, n_nan + n_pos, head]).astype(jnp.float32)
+    head = jnp.where(n_pos > 0, 1.0, _fraction_of(max_abs, big))
+    return jnp.stack([max_abs, mean, var, n_nan + n_pos, head], -1).astype(jnp.float32)
+
+
+@monitoring
+def stats_of_rows(xs, limits) -> list[jax.Array]:
+    """``stats`` of several arrays of one shape in one reduction (``[R, ...]`` stacked in f32,
+    reduced over all but the first axis): a norm's two per-row probes were two reductions of
+    a few hundred values each, their kernels most of what BatchNorm's probes cost.
+
+    Args:
+      xs: arrays of one shape, each in the dtype its statistics are of (cast to f32 here).
+      limits: each array's headroom limit (``stats``'s ``limit``; None: its dtype's max).
+
+    Returns:
+      One ``f32[NUM_STATS]`` per array, as ``stats`` gives it (no gradient flows through).
+    """
+    xs = [lax.stop_gradient(jnp.asarray(x)) for x in xs]
+    big = np.asarray(
+        [
+            _finfo_max(x.dtype) if lim is None else float(lim)
+            for x, lim in zip(xs, limits, strict=True)
+        ],
+        np.float32,
+    )
+    stacked = jnp.stack([x.astype(jnp.float32) for x in xs])
+    rows = _stats_over(stacked, tuple(range(1, stacked.ndim)), big)
+    return [rows[i] for i in range(len(xs))]
 
 
 def op_stats(x: jax.Array, limit: float | None = None) -> jax.Array:

@@ -156,6 +156,21 @@ def test_stats_of_a_huge_scalar_or_constant_keep_their_mean_and_zero_variance():
     assert const[probe.VAR] <= 1e-5 * 3e20**2  # (f32 rounding of E[x^2] - E[x]^2)
 
 
+@pytest.mark.parametrize("partitioned", [False, True])
+def test_stats_of_rows_are_each_rows_stats(partitioned):
+    """``stats_of_rows`` (a norm's two per-row probes in one reduction) gives what ``stats``
+    gives each array, limits included: NaN, +inf and -inf, a bf16 row, an f32 one."""
+    rng = np.random.default_rng(4)
+    a = jnp.asarray(rng.normal(size=(5, 7)) * 30.0, jnp.float32).at[0, 1].set(jnp.nan)
+    b = jnp.asarray(rng.normal(size=(5, 7)) * 1e3, jnp.bfloat16).at[2, 2].set(jnp.inf)
+    b = b.at[3, 3].set(-jnp.inf)
+    with probe.partitioned(partitioned):
+        rows = jax.jit(lambda a, b: probe.stats_of_rows([a, b], [None, 2.0**64]))(a, b)
+        want = jax.jit(lambda a, b: [probe.stats(a), probe.stats(b, 2.0**64)])(a, b)
+    for got, ref in zip(rows, want, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-6, atol=1e-30)
+
+
 def test_the_mean_of_values_whose_sum_passes_f32_stays_finite():
     """review29: 100 values of 1e37 sum past f32's max, and the mean read inf (a metrics row
     with an inf in it, for finite values); the sum of ``x * 2**-16`` keeps it exact."""

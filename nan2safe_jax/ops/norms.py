@@ -118,14 +118,17 @@ def _probes(inv, mean, var, dtype, want, center, limit=None):
     ``hypot`` rather than ``sqrt(var + mean²)``: a row's mean past ~1.8e19 squares past f32
     while the norm's own (two-pass) variance is finite, and a probe reading an inf the model
     never computed is an incident (``train.model_probes_nonfinite``). Only those in
-    ``want``."""
-    st = {}
+    ``want``; both in one reduction (``probe.stats_of_rows``)."""
+    rows = {}
     if "inv_std" in want:
-        st["inv_std"] = probe.op_stats(inv)
+        rows["inv_std"] = (inv, None)
     if "input_rms" in want:
         rms = jnp.hypot(jnp.sqrt(var), mean) if center else jnp.sqrt(var)
-        st["input_rms"] = probe.op_stats(rms.astype(dtype), limit)
-    return st
+        rows["input_rms"] = (rms.astype(dtype), limit)
+    if not rows:
+        return {}
+    xs, limits = zip(*rows.values(), strict=True)
+    return dict(zip(rows, probe.stats_of_rows(xs, limits), strict=True))
 
 
 def _with_output(y, st, want):
