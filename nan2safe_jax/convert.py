@@ -106,43 +106,45 @@ def _norm_kwargs(m, bias: bool) -> dict:
     return kw
 
 
-def _batch_norm_kwargs(m) -> dict:
-    return dict(
-        num_features=m.num_features,
-        use_running_average=m.use_running_average,
-        axis=m.axis,
-        momentum=m.momentum,
-        epsilon=m.epsilon,
-        dtype=m.dtype,
-        param_dtype=m.param_dtype,
-        use_bias=m.use_bias,
-        use_scale=m.use_scale,
-        axis_name=m.axis_name,
-        axis_index_groups=m.axis_index_groups,
-        use_fast_variance=m.use_fast_variance,
-        promote_dtype=m.promote_dtype,
-    )
+def _attributes(*names: str):
+    """The constructor arguments of a site that subclasses its flax layer (``nn.Conv``,
+    ``nn.BatchNorm``): the same names, read off the flax layer's attributes."""
+    return lambda m: {k: getattr(m, k) for k in names}
 
 
-def _conv_kwargs(m) -> dict:
-    return dict(
-        in_features=m.in_features,
-        out_features=m.out_features,
-        kernel_size=m.kernel_size,
-        strides=m.strides,
-        padding=m.padding,
-        input_dilation=m.input_dilation,
-        kernel_dilation=m.kernel_dilation,
-        feature_group_count=m.feature_group_count,
-        use_bias=m.use_bias,
-        mask=m.mask,
-        dtype=m.dtype,
-        param_dtype=m.param_dtype,
-        precision=m.precision,
-        conv_general_dilated=m.conv_general_dilated,
-        promote_dtype=m.promote_dtype,
-        preferred_element_type=m.preferred_element_type,
-    )
+_batch_norm_kwargs = _attributes(
+    "num_features",
+    "use_running_average",
+    "axis",
+    "momentum",
+    "epsilon",
+    "dtype",
+    "param_dtype",
+    "use_bias",
+    "use_scale",
+    "axis_name",
+    "axis_index_groups",
+    "use_fast_variance",
+    "promote_dtype",
+)
+_conv_kwargs = _attributes(
+    "in_features",
+    "out_features",
+    "kernel_size",
+    "strides",
+    "padding",
+    "input_dilation",
+    "kernel_dilation",
+    "feature_group_count",
+    "use_bias",
+    "mask",
+    "dtype",
+    "param_dtype",
+    "precision",
+    "conv_general_dilated",
+    "promote_dtype",
+    "preferred_element_type",
+)
 
 
 def _mha_kwargs(m) -> dict:
