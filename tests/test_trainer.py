@@ -648,6 +648,7 @@ def jax_tree_nan(tree):
     return jax.tree_util.tree_map(lambda p: jnp.full_like(p, jnp.nan), tree)
 
 
+@pytest.mark.slow  # its incident-at-once and hint are asserted by the fast test below too
 def test_a_state_no_loss_scale_cures_is_an_incident_and_the_rollback_finds_the_checkpoint_before(
     tmp_path,
 ):
@@ -700,6 +701,11 @@ def test_a_checkpoint_every_step_refuses_is_passed_over_for_the_one_before(tmp_p
     assert tr.save()
     hist = tr.fit(batches[4:], steps=6)
     ev = tr.events
+    # an incident at once (no scale cures it), not one of 16 loss-scale overflow skips, and its
+    # hint names the leaf the sum of squares cannot
+    assert hist[0]["skipped"] and hist[0]["incident"] and not hist[0]["overflow"]
+    hint = [e for e in ev if e["type"] == "locate"][0]["hint"]
+    assert "(the largest: head.kernel (" in hint, hint
     rb = [e for e in ev if e["type"] == "rollback"]
     assert [e["to_step"] for e in rb] == [4, 0] and tr.incidents == 5, _types(ev)
     assert "passed_over" not in rb[0] and rb[1]["passed_over"] == [4], rb
