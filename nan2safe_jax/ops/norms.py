@@ -50,10 +50,11 @@ def _affine(y, scale, bias):
     return y
 
 
-def _flax_stats(x, mask, *, center, fast_var):
-    """flax's ``_compute_stats`` over the last axis: ``(mean, var)`` in ``promote(x, f32)``."""
+def _flax_stats(x, mask, *, center, fast_var, axes=None):
+    """flax's ``_compute_stats`` over ``axes`` (None: the last): ``(mean, var)`` in
+    ``promote(x, f32)``."""
     xs = jnp.asarray(x, jnp.promote_types(x.dtype, _F32))
-    axes = (x.ndim - 1,)
+    axes = (x.ndim - 1,) if axes is None else axes
     if not center:
         var = lax.square(xs).mean(axes, where=mask)
         return jnp.zeros_like(var), var
@@ -152,10 +153,7 @@ def _norm_stable(x, scale, bias, mask, *, eps, center, fast_var, want, dtype):
 
 def _row_mean(v, mask=None):
     """Per-row mean over the last axis, of the masked positions only (at least one counted)."""
-    if mask is None:
-        return jnp.mean(v, -1, keepdims=True)
-    n = jnp.maximum(jnp.sum(mask, -1, keepdims=True), 1).astype(_F32)
-    return jnp.sum(jnp.where(mask, v, 0.0), -1, keepdims=True) / n
+    return _masked_mean(v, -1, mask)
 
 
 def _safe_inv_std(xc, eps, mask=None):
@@ -341,14 +339,7 @@ def _bn_fast(
     cast = lambda a: None if a is None else a.astype(dtype)  # noqa: E731
     xc, mean, var, scale_c, bias_c = map(cast, (x, ra_mean, ra_var, scale, bias))
     if not running:
-        xs = jnp.asarray(xc, jnp.promote_types(dtype, _F32))
-        if fast_var:
-            sq = lax.square(xs)
-            mean, mu2 = xs.mean(red, where=mask), sq.mean(red, where=mask)
-            var = jnp.maximum(0.0, mu2 - lax.square(mean))
-        else:
-            mean = xs.mean(red, where=mask)
-            var = lax.square(xs - jnp.expand_dims(mean, red)).mean(red, where=mask)
+        mean, var = _flax_stats(xc, mask, center=True, fast_var=fast_var, axes=red)
         ra_mean, ra_var = _bn_running(ra_mean, ra_var, mean, var, momentum)
     y = xc - mean.reshape(shape)
     mul = lax.rsqrt(var.reshape(shape) + eps)
@@ -361,7 +352,7 @@ def _bn_fast(
     return jnp.asarray(y, dtype), ra_mean, ra_var, st
 
 
-def _masked_mean(v, red, mask):
+def _masked_mean(v, red, mask=None):
     """The mean over ``red`` of the masked positions only (at least one counted), keepdims."""
     if mask is None:
         return jnp.mean(v, red, keepdims=True)
