@@ -707,24 +707,33 @@ class Trainer:
             bar.update(m)
         if m["skipped"]:
             self.log.append("skip", done.step, reason=_skip_reason(m), loss=m["loss"])
-        if (done.step + 1) % self.cfg.log_every == 0 or m["incident"] or m["polluted"]:
-            self.log.log_metrics(
-                {k: m[k] for k in m if k not in ("probe_risk",)} | {"step": done.step}
-            )
+        restart = None
+        try:
+            restart = self._act(done, m, decided)
+        finally:
+            # Logged once the step is decided: tier 2, a rollback or a stop change its record
+            # (``incident``, ``next_gear``), and the line must read as the history's does.
+            if (done.step + 1) % self.cfg.log_every == 0 or m["incident"] or m["polluted"]:
+                self.log.log_metrics(
+                    {k: m[k] for k in m if k not in ("probe_risk",)} | {"step": done.step}
+                )
+        return restart
+
+    def _act(self, done: _Step, m: dict, decided) -> _Restart | None:
+        """``_finish``'s decisions for step ``done``: tier 2 (``decided``, when
+        ``_overflow_decision`` made it), the spike watch, the learning rate's return, the
+        checkpoint; ``m`` is corrected in place. The gear events
+        come last: a rollback of any kind (tier 2, a loss spike, a damaged state at the
+        checkpoint) sets the next step's gears to the restored checkpoint's, so a downshift
+        the failed step chose, which never took effect, is not logged (review29b)."""
         restart = None
         # A SAFE stay that ended before this step is logged before an incident of this step
         # can start the next one: the log reads exit, then enter.
         self._safe_exits(done.step, m)
         if m["incident"] or m["polluted"]:
             restart = self._incident(done, m, decided)
-            if restart is not None and not restart.in_place:
-                # A rollback: the next step runs at the restored checkpoint's gears (with the
-                # decision's), not at the ones this step chose (a "downshift" was logged that
-                # never took effect).
-                m["next_gear"] = int(restart.state.gear.level)
         else:
             self._polluted_streak = 0
-        self._gear_events(done.step, m)
         if restart is None:
             spike = self.spikes.update(
                 done.step, m["loss"], not m["skipped"], overflow=bool(m["overflow"])
@@ -736,27 +745,37 @@ class Trainer:
                 self.log.append("lr_restore", done.step, lr_scale=1.0)
                 restart = _Restart(done.after.replace(lr_scale=jnp.ones([], jnp.float32)))
         if restart is None or restart.in_place:
-            if self._checkpoint_due:
-                self._hold_ring()
-            self.ring.append((done.step, done.batch))
-            on_time = (done.step + 1) % self.cfg.checkpoint_every == 0
-            state = done.after if restart is None else restart.state
-            if (on_time or self._checkpoint_due) and m["skipped"] and not m["polluted"]:
-                # A checkpoint is a state the run trained to: one due while the steps refuse
-                # the state waits for the next applied step. A finite state that every step
-                # refuses (a weight made huge by a bad update, loss ~1e30, each step skipped)
-                # was saved at the due step, and the rollbacks restored it instead of the good
-                # checkpoint before it (newuser46). A polluted batch says nothing of the state.
-                # A state that is not finite is still rolled back at the due step (the skips
-                # after it leave the state as it was: it is checked once).
-                self._checkpoint_due = True
-                if on_time and not state_is_finite(state):
-                    self.log.append("error", done.step + 1, detail="state not finite")
-                    restart = self._damaged(done, state) or restart
-            elif on_time or self._checkpoint_due:
-                self._checkpoint_due = False
-                if not self._checkpoint(done.step + 1, state):
-                    restart = self._damaged(done, state) or restart
+            restart = self._checkpoint_at(done, m, restart)
+        if restart is not None and not restart.in_place:
+            # The next step runs at the restored checkpoint's gears (with the decision's).
+            m["next_gear"] = int(restart.state.gear.level)
+        self._gear_events(done.step, m)
+        return restart
+
+    def _checkpoint_at(self, done: _Step, m: dict, restart: _Restart | None) -> _Restart | None:
+        """The checkpoint due after step ``done``, if one is: saved, waiting for an applied
+        step, or (its state not finite) a rollback, returned in place of ``restart``."""
+        if self._checkpoint_due:
+            self._hold_ring()
+        self.ring.append((done.step, done.batch))
+        on_time = (done.step + 1) % self.cfg.checkpoint_every == 0
+        state = done.after if restart is None else restart.state
+        if (on_time or self._checkpoint_due) and m["skipped"] and not m["polluted"]:
+            # A checkpoint is a state the run trained to: one due while the steps refuse
+            # the state waits for the next applied step. A finite state that every step
+            # refuses (a weight made huge by a bad update, loss ~1e30, each step skipped)
+            # was saved at the due step, and the rollbacks restored it instead of the good
+            # checkpoint before it (newuser46). A polluted batch says nothing of the state.
+            # A state that is not finite is still rolled back at the due step (the skips
+            # after it leave the state as it was: it is checked once).
+            self._checkpoint_due = True
+            if on_time and not state_is_finite(state):
+                self.log.append("error", done.step + 1, detail="state not finite")
+                restart = self._damaged(done, state) or restart
+        elif on_time or self._checkpoint_due:
+            self._checkpoint_due = False
+            if not self._checkpoint(done.step + 1, state):
+                restart = self._damaged(done, state) or restart
         return restart
 
     def _hold_ring(self) -> None:

@@ -458,6 +458,9 @@ def test_damaged_state_is_rolled_back_and_never_trained_on(tmp_path):
         assert not any(e["type"] == "downshift" for e in ev), _types(ev)
         failed = next(h for h in hist if h["step"] == 7 and not h.get("replay"))
         assert failed["next_gear"] == Gear.FAST
+        # ... and metrics.jsonl reads as the history does (it was written before the rollback)
+        logged = next(r for r in read_metrics(tmp_path / "run") if r["step"] == 7)
+        assert logged["next_gear"] == Gear.FAST and logged["incident"]
 
 
 def test_a_state_damaged_before_the_first_checkpoint_is_rolled_back_to_step_0(tmp_path):
@@ -934,6 +937,7 @@ def test_loss_spike_rolls_back_before_the_spike_and_skips_its_data(tmp_path):
         spike_skip_batches=4,
         spike_lr_factor=0.5,
         spike_lr_steps=3,
+        trigger_risk=0.5,  # the spike's first step downshifts too
     )
     batches = _spiky(24, lambda i: 12 <= i < 16)
     with Trainer(Net(rngs=nnx.Rngs(0)), optax.sgd(1e-2), loss_fn, cfg, tmp_path / "r") as tr:
@@ -946,6 +950,13 @@ def test_loss_spike_rolls_back_before_the_spike_and_skips_its_data(tmp_path):
     assert rb[0]["skipped_batches"] == 4 and rb[0]["lr_factor"] == 0.5
     assert [h["step"] for h in hist if h.get("replay")] == [10, 11]
     assert any(e["type"] == "lr_restore" for e in ev)
+    # Step 12 downshifted; the rollback at 13 restored checkpoint 10's gears (FAST): the record
+    # of step 13 says so, and so does the log (it kept "STABLE" and no event, and the run went
+    # on at FAST).
+    spiked = next(h for h in hist if h["step"] == 13)
+    assert spiked["gear"] == Gear.STABLE and spiked["next_gear"] == Gear.FAST
+    gears = [(e["type"], e["step"]) for e in ev if e["type"] in ("downshift", "recover")]
+    assert gears[:2] == [("downshift", 12), ("recover", 13)], _types(ev)
     # The spiky batches 12..15 never trained the model after the rollback: 24 batches, 4 gone.
     after = hist[[i for i, h in enumerate(hist) if h.get("replay")][0] :]
     assert max(h["loss"] for h in after) < 3.0 * spikes[0]["baseline"]
