@@ -62,7 +62,9 @@ class Decision:
       gear: the gears to train on from now; None keeps the ones the step produced.
       restore: roll back to the newest finite checkpoint and replay from it.
       action: the decision in words (for the event log).
-      enter: fields of the ``safe_enter`` event when a site (or the model) entered SAFE.
+      enter: fields of the ``safe_enter`` event when a site (or the model) entered SAFE;
+        ``"also"``: the fields of a second one, for the site that made the culprit's
+        near-overflow input (``Report.magnitude``).
       revert: the step treated the fault as the model's (gears down, loss scale cut) but it
         was the data's: go back to the gears and optimizer state the step started from.
       hint: set when the culprit is in no site: that fact, the nearest site, and the fix.
@@ -483,8 +485,21 @@ def _downshift(
     report: Report, ran: GearState, gs: GearState, cfg: Config, nearest: str | None = None
 ) -> Decision:
     """SAFE for the culprit's site; a repeat in SAFE means roll back. A culprit in no site:
-    the whole model in SAFE, said plainly to be a fallback that cannot fix it."""
+    the whole model in SAFE, said plainly to be a fallback that cannot fix it.
+
+    A culprit whose input was already near overflow (``Report.magnitude``) made by an equation
+    of another site: that site goes to SAFE too (alone, when the culprit is in no site), since
+    any arithmetic on such a value overflows and SAFE at the culprit alone does not stop it
+    (newuser48: a router weight x1e38 blamed on the next LayerNorm)."""
     site = report.site
+    made = _origin_site(report, gs)
+    maker = False
+    made_in_safe = made is not None and bool(np.max(gear_lib.effective(ran, made)) >= Gear.SAFE)
+    if (site is None or site not in gs.sites) and made is not None and not made_in_safe:
+        # (a maker already in SAFE saturated its output there: the fallback's business)
+        site, made, maker = made, None, True
+    elif made == site:
+        made = None
     if site is None or site not in gs.sites:
         hint = unsited_hint(report, gs.sites, nearest)
         repeat = int(ran.level) >= Gear.SAFE
@@ -511,14 +526,55 @@ def _downshift(
         index = int(iters[0])
     ran_site = np.asarray(gear_lib.effective(ran, site))
     repeat = bool(np.max(ran_site if index is None else ran_site[index]) >= Gear.SAFE)
+    if made is not None:  # a repeat once both ran in SAFE: the maker's SAFE is new to it
+        repeat = repeat and made_in_safe
     new = gear_lib.set_site(gs, site, Gear.SAFE, index=index, cfg=cfg)
     left = int(np.max(np.asarray(new.safe_left[site])))
     where = site if index is None else f"{site}[{index}]"
     action = f"site {where} -> SAFE for {left} steps"
+    if maker:
+        action = (
+            f"site {where}, which made the culprit's near-overflow input, -> SAFE for {left} steps"
+        )
+    if made is not None:
+        new = gear_lib.set_site(new, made, Gear.SAFE, cfg=cfg)
+        action += f"; site {made}, which made its near-overflow input, -> SAFE too"
     if repeat:
         action = f"site {where} failed again in SAFE: roll back, {action}"
+    huge = _huge_parameter(report)
+    if huge is not None:
+        action += (
+            f"; its near-overflow input comes from the parameter {huge}: a weight that large "
+            "is damage no gear undoes (a bad update), roll back to the newest finite checkpoint"
+        )
     enter = dict(site=site, steps=left, layer=index)
-    return Decision("repeat" if repeat else "located", report, new, repeat, action, enter)
+    if made is not None:  # the trainer logs a safe_enter of its own for it
+        enter["also"] = dict(
+            site=made, steps=int(np.max(np.asarray(new.safe_left[made]))), layer=None
+        )
+    restore = repeat or huge is not None
+    return Decision("repeat" if repeat else "located", report, new, restore, action, enter)
+
+
+def _huge_parameter(report: Report) -> str | None:
+    """``"path (max |x| ...)"`` of the state's parameter the culprit's near-overflow input
+    comes from (``Report.magnitude``; the replayed step's arguments are ``(state, batch)``), or
+    None. Trained on, it overflows again after every SAFE stay: the weight stays huge
+    (newuser48's router weight x1e38 took three incidents and a rollback)."""
+    m = report.magnitude or {}
+    arg = m.get("argument")
+    if arg is None or not arg.startswith("[0].params"):
+        return None
+    share = f"{m['origin_fraction']:.0%} of its range"
+    return f"{arg[len('[0].params') :]} (max |x| {m['max_abs']:.3g}, {share})"
+
+
+def _origin_site(report: Report, gs: GearState) -> str | None:
+    """The site whose equation made the culprit's near-overflow input (``Report.magnitude``),
+    when it is one of ``gs``'s; else None."""
+    origin = (report.magnitude or {}).get("origin") or {}
+    site = origin.get("site")
+    return site if site in gs.sites else None
 
 
 def _leaf_at(tree, keystr: str):

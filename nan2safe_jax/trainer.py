@@ -1011,7 +1011,11 @@ class Trainer:
                 log.warning("step %d: %s", done.step, decision.hint)
             self.log.append("locate", done.step, report=rd, action=decision.action, **extra)
             if decision.enter is not None:
-                self.log.append("safe_enter", done.step, **decision.enter)
+                enter = dict(decision.enter)
+                also = enter.pop("also", None)  # the site that made a near-overflow input
+                self.log.append("safe_enter", done.step, **enter)
+                if also is not None:
+                    self.log.append("safe_enter", done.step, **also, cause="magnitude origin")
             log.info("step %d: %s\n%s", done.step, decision.action, report)
         else:  # damaged
             self.log.append("damaged", done.step, report=rd, action=decision.action)

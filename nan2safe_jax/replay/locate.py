@@ -29,7 +29,7 @@ import numpy as np
 
 from nan2safe_jax import programs
 from nan2safe_jax.replay import _jax_compat as jc
-from nan2safe_jax.replay import interpret, reach, rules
+from nan2safe_jax.replay import interpret, magnitude, reach, rules
 from nan2safe_jax.replay.report import (
     NOT_REPRODUCIBLE,
     EqnRef,
@@ -38,9 +38,10 @@ from nan2safe_jax.replay.report import (
     channel_scan,
     diagnose,
     direction_of,
+    magnitude_sentence,
     opaque_why,
 )
-from nan2safe_jax.replay.search import Found, Session, first_flagged, search
+from nan2safe_jax.replay.search import Found, Session, first_flagged, flatten, search
 from nan2safe_jax.site import site_from_name_stack
 
 __all__ = ["locate", "locate_replayed", "locate_step"]
@@ -318,6 +319,11 @@ def _locate(
         # an opaque higher-order primitive was blamed
         diagnosis = "other"
         why = opaque_why(ref.primitive, out, kind, in_stats)
+    near = None
+    if mode == "root" and not found.constant:
+        near = _magnitude(sess, top_jaxpr, list(consts), leaves_with_path, ns, found)
+        if near is not None:
+            why += f"; {magnitude_sentence(near)}"
     return Report(
         primitive=ref.primitive,
         source=ref.source,
@@ -338,7 +344,44 @@ def _locate(
         user_source=ref.user_source,
         shard=None if found.shard is None else found.shard.index,
         device=None if found.shard is None else found.shard.device(),
+        magnitude=near,
     )
+
+
+def _magnitude(
+    sess: Session, jaxpr: Any, consts: list, leaves_with_path: list, ns: Any, found: Found
+) -> dict[str, Any] | None:
+    """``Report.magnitude`` of a culprit at the top level whose input was ``NEAR`` overflow
+    (``replay.magnitude``); None otherwise (one replay more only when an input is near).
+    A culprit inside a loop body, a branch or a shard is not walked back (its level's inputs
+    are not the program's)."""
+    if any(isinstance(e, tuple) for e in found.path) or magnitude.near_input(found.invals) < (
+        magnitude.NEAR
+    ):
+        return None
+    items = flatten(jaxpr, ns)
+    k = next((i for i, it in enumerate(items) if it.eqn is found.item.eqn), None)
+    if k is None:
+        return None
+    org = magnitude.origin(sess, jaxpr, consts, [x for _, x in leaves_with_path], ns, k)
+    if org is None:
+        return None
+    out: dict[str, Any] = {
+        "fraction": magnitude.near_input(found.invals),
+        "max_abs": org.max_abs,
+        "origin_fraction": org.fraction,
+        "inputs_max_abs": org.inputs_max_abs,
+        "steps": org.steps,
+        "origin": None,
+        "argument": None,
+    }
+    if org.record is not None:
+        it = items[org.record]
+        ref = _ref(Found(it, it.path, [], []))
+        out["origin"] = ref.to_dict()
+    elif org.argument is not None:
+        out["argument"] = jax.tree_util.keystr(leaves_with_path[org.argument][0])
+    return out
 
 
 @jax.jit

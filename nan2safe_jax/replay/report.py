@@ -100,6 +100,12 @@ class Report:
         line of nan2safe_jax), the model code that called the site.
       shard: inside a ``shard_map``, the linear index of the shard whose body made the value.
       input_path: for ``"polluted input"``, the ``jax.tree_util.keystr`` of the first bad argument.
+      magnitude: when an input of the culprit was already near overflow (``replay.magnitude``):
+        ``fraction`` of its dtype's range it reached, and where that value was made: ``origin``
+        (an ``EqnRef`` dict: the first equation, walking back, whose inputs were far from their
+        range) or ``argument`` (the ``keystr`` of the program's argument it is), with the
+        ``max_abs`` and ``origin_fraction`` of the value made there and ``inputs_max_abs``, the
+        largest input of the origin equation; else None.
     """
 
     primitive: str | None
@@ -124,6 +130,7 @@ class Report:
     reason: str | None = None
     shard: int | None = None
     device: str | None = None
+    magnitude: dict[str, Any] | None = None
 
     @classmethod
     def no_equation(cls, **fields: Any) -> Report:
@@ -179,9 +186,27 @@ class Report:
                     lines.append(f"    axis {ax}: {_abbrev(idx, self.channels_truncated.get(ax))}")
             if self.first_nan is not None:
                 lines.append(f"  first NaN: {self.first_nan}")
+            if self.magnitude is not None:
+                lines.append(f"  near overflow: {magnitude_sentence(self.magnitude)}")
             lines.append(f"  diagnosis: {self.diagnosis} — {self.explanation}")
         lines.append(f"  ({self.replays} replays, {self.seconds:.2f} s)")
         return "\n".join(lines)
+
+
+def magnitude_sentence(m: dict[str, Any]) -> str:
+    """``Report.magnitude`` in words."""
+    head = f"its input was already at {m['fraction']:.0%} of its dtype's range"
+    origin = m.get("origin")
+    if origin is not None:
+        where = origin.get("user_source") or origin.get("source") or "?"
+        site = f" (site {origin['site']!r})" if origin.get("site") else ""
+        return (
+            f"{head}, a value made by `{origin['primitive']}` at {where}{site} "
+            f"(max |x| {m['max_abs']:.3g}) from inputs no larger than {m['inputs_max_abs']:.3g}"
+        )
+    if m.get("argument") is not None:
+        return f"{head}; it comes from the argument {m['argument']} (max |x| {m['max_abs']:.3g})"
+    return f"{head}; it was made where the replay does not look (a loop's result, a constant)"
 
 
 # ---------------------------------------------------------------------------------------------

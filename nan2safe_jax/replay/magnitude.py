@@ -1,0 +1,166 @@
+"""Where a finite value near the top of its range was made: the culprit's input, walked back.
+
+``locate`` names the first equation whose output is non-finite. When that equation's input was
+already close to overflowing (a LayerNorm's input at 84% of bfloat16's range, newuser48), the
+equation that overflowed is not where the fault is: any arithmetic on that value would have.
+This module walks the value back through the equations that made it, each step to the producer
+of its largest input relative to that input's range, and stops at the first equation whose
+inputs are all far from their range (the *origin*: an ``exp``, a matmul by a weight that is not
+large), or at an argument of the program (a parameter made huge by a bad update).
+
+How: one replay of the level's prefix up to the culprit in ``"flags"`` mode
+(``interpret.py``), returning ``max |x|`` of every float value it registers, O(#values) scalars
+over the step's own live set. Values an equation passes through unchanged (a reshape, a copy)
+share their input's entry, so the walk moves over them. A loop instrumented in place is not
+entered: a large value that comes out of a loop names the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nan2safe_jax.replay import interpret
+
+__all__ = ["NEAR", "Origin", "near_input", "origin"]
+
+# A value at or above this fraction of its dtype's largest finite value is *near* overflow:
+# within a factor 100 of it, where a square, a sum of a few hundred terms or an ``exp`` of it
+# overflows. Ordinary activations are far below (fp16 attention logits of 30: 0.05%).
+NEAR = 1e-2
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """Where the near-overflow input of the culprit came from.
+
+    Attributes:
+      record: the flat index (in the level's walk) of the equation that made it, or None when
+        no equation of the walk did: an argument, a constant, a result of a loop (whose body
+        the walk does not enter).
+      argument: the index of the program's argument it is, or None.
+      max_abs: ``max |x|`` of the value the origin made (or the argument's).
+      fraction: ``max_abs`` over the largest finite value of its dtype.
+      inputs_max_abs: ``max |x|`` of the origin equation's float input nearest its range (how
+        far from the range it started), None for an argument.
+      steps: equations walked back from the culprit (those passing the value through unchanged
+        not counted).
+    """
+
+    record: int | None
+    argument: int | None
+    max_abs: float
+    fraction: float
+    inputs_max_abs: float | None
+    steps: int
+
+
+def _fraction(mag: float, dtype: Any) -> float:
+    """``mag`` as a fraction of ``dtype``'s largest finite value (0 for non-float dtypes and
+    non-finite ``mag``: an inf carried in by a mask is no near-overflow value)."""
+    if not np.isfinite(mag) or not jnp.issubdtype(dtype, jnp.floating):
+        return 0.0
+    return float(mag) / float(jnp.finfo(dtype).max)
+
+
+def near_input(invals: list) -> float:
+    """The largest ``max |x| / finfo.max`` over the finite float inputs of an equation (host
+    values): ``origin`` walks back only when this is ``NEAR`` or more."""
+    best = 0.0
+    for x in invals:
+        a = np.asarray(x)
+        if not interpret.inexact(a) or a.size == 0 or a.dtype.kind == "c":
+            continue
+        finite = np.abs(a[np.isfinite(a)].astype(np.float64))
+        if finite.size:
+            best = max(best, _fraction(float(finite.max()), a.dtype))
+    return best
+
+
+def _max_abs(x: Any) -> Any:
+    if jnp.iscomplexobj(x):
+        x = jnp.abs(x)
+    if np.size(x) == 0:
+        return jnp.zeros((), jnp.float32)
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def _trace(jaxpr: Any, consts: list, args: list, ns: Any, known: dict, stop: int, meta: dict):
+    """The replay: the level walked up to and including flat equation ``stop - 1``; fills
+    ``meta`` (its records, value dtypes, argument references) while it traces."""
+
+    def fn(consts, args):
+        ctx = interpret.Ctx("flags", known=known, stop_at=stop)
+        arg_refs = [ctx.ref(a) for a in args]  # registered first, as the flags replay does
+        ctx.mark_constants(consts)
+        try:
+            interpret.walk(jaxpr, consts, args, ctx, ns)
+        except interpret.Stop:
+            pass
+        meta["recs"] = [(r[0], r[1], r[2]) for r in ctx.recs]
+        meta["dtypes"] = [jnp.result_type(v) for v in ctx.vals]
+        meta["args"] = [r[1] for r in arg_refs]
+        if not ctx.vals:
+            return jnp.zeros((0,), jnp.float32)
+        return jnp.stack([_max_abs(v) for v in ctx.vals])
+
+    return fn
+
+
+def origin(sess: Any, jaxpr: Any, consts: list, args: list, ns: Any, culprit: int) -> Origin | None:
+    """Walks the culprit's largest near-overflow input back to where it was made.
+
+    Args:
+      sess: the localization's ``search.Session`` (its replays are counted and cached).
+      jaxpr, consts, args, ns: the top level, as ``search.search`` was given it.
+      culprit: the culprit's flat index in that level.
+
+    Returns:
+      The ``Origin``, or None when no input of the culprit is ``NEAR`` its range (it made the
+      non-finite value from ordinary inputs) or the culprit is not in the walk's records.
+    """
+    known = sess.known("top", jaxpr, consts, args, ns)
+    meta: dict = {}
+    fn = _trace(jaxpr, consts, args, ns, known, culprit + 1, meta)
+    mags = np.asarray(
+        sess.call(
+            ("magnitude", culprit, tuple(sorted(known.items()))), fn, list(consts), list(args)
+        ),
+        np.float64,
+    )
+    if "recs" not in meta:  # a compiled replay from an earlier localization: trace it again
+        jax.eval_shape(fn, list(consts), list(args))
+    recs, dtypes = meta["recs"], meta["dtypes"]
+    if culprit >= len(recs) or recs[culprit][0] == "given" or recs[culprit][1] is None:
+        return None
+    frac = np.asarray([_fraction(m, d) for m, d in zip(mags, dtypes, strict=True)])
+    producer: dict[int, int] = {}
+    for k, (kind, in_ref, out_ref) in enumerate(recs[:culprit]):
+        if kind == "given" or out_ref is None:
+            continue
+        for v in out_ref[1] - (in_ref[1] if in_ref is not None else frozenset()):
+            producer.setdefault(v, k)
+
+    def largest(ref) -> int | None:
+        vs = sorted(ref[1]) if ref is not None else []
+        return max(vs, key=lambda v: frac[v]) if vs else None
+
+    v = largest(recs[culprit][1])
+    if v is None or frac[v] < NEAR:
+        return None
+    steps = 0
+    while True:
+        k = producer.get(v)
+        if k is None:  # an argument, or a value the walk saw no equation make
+            arg = next((i for i, r in enumerate(meta["args"]) if v in r), None)
+            return Origin(None, arg, float(mags[v]), float(frac[v]), None, steps)
+        steps += 1
+        u = largest(recs[k][1])
+        if u is None or frac[u] < NEAR:
+            inputs = 0.0 if u is None else float(mags[u])
+            return Origin(k, None, float(mags[v]), float(frac[v]), inputs, steps)
+        v = u

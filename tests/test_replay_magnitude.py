@@ -1,0 +1,144 @@
+"""replay.magnitude: a culprit whose input was already near overflow is walked back to where
+that value was made (an equation whose inputs were far from their range, or an argument).
+
+References: the chain each function is written as (which equation makes the large value, from
+which inputs), and NumPy's ``max |x|`` of those values.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import nan2safe_jax as nan2safe
+from nan2safe_jax import incidents, nn, replay
+from nan2safe_jax.config import Config
+from nan2safe_jax.gear import Gear
+from nan2safe_jax.replay import magnitude
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def _mean_sq(h):
+    """A norm's statistic: the sum of ``h**2`` overflows for any ``h`` near the range."""
+    return jnp.sum(h.astype(jnp.float32) ** 2 if h.dtype == jnp.float32 else h * h, axis=-1)
+
+
+def _line(fn, text: str) -> str:
+    """``"file.py:LINE"`` of the line of ``fn``'s source that holds ``text``."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(fn)
+    k = next(i for i, line in enumerate(lines) if text in line)
+    return f"{inspect.getsourcefile(fn)}:{first + k}"
+
+
+def _exp_then_square(x):
+    h = jnp.exp(x)  # lands near the top of the dtype
+    return _mean_sq(h * 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_an_exp_that_lands_near_the_range_is_named_where_the_square_overflows(dtype):
+    top = float(jnp.finfo(dtype).max)
+    u = np.random.default_rng(0).uniform(0.0, 0.5, size=(3, 4))
+    x = jnp.asarray(np.log(0.3 * top) + u, dtype)  # exp(x) in [0.3, 0.5] of the range
+    r = replay.locate(jax.make_jaxpr(_exp_then_square)(x), (x,))
+    assert r.primitive in ("mul", "integer_pow", "reduce_sum"), r  # the first inf, as before
+    m = r.magnitude
+    want = float(np.abs(np.exp(np.asarray(x, np.float64))).max())
+    assert m is not None and m["origin"]["primitive"] == "exp", m
+    assert m["origin"]["source"] == _line(_exp_then_square, "jnp.exp(x)")
+    np.testing.assert_allclose(m["max_abs"], want, rtol=2e-2)
+    np.testing.assert_allclose(m["inputs_max_abs"], float(np.asarray(x, np.float64).max()))
+    assert m["argument"] is None and m["fraction"] >= magnitude.NEAR
+    assert "`exp`" in r.explanation and "near overflow" in str(r)
+
+
+def _matmul_then_square(params, x):
+    return _mean_sq(x @ params["w"])
+
+
+def test_a_weight_near_the_range_is_named_as_the_argument_it_is():
+    rng = np.random.default_rng(1)
+    params = {"w": jnp.asarray(rng.normal(size=(4, 4)) * 3e37, jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(2, 4)), jnp.float32)
+    r = replay.locate(jax.make_jaxpr(_matmul_then_square)(params, x), (params, x))
+    m = r.magnitude
+    assert m is not None and m["argument"] == "[0]['w']" and m["origin"] is None, m
+    np.testing.assert_allclose(m["max_abs"], np.abs(np.asarray(params["w"])).max(), rtol=1e-6)
+    np.testing.assert_allclose(m["origin_fraction"], m["max_abs"] / np.finfo(np.float32).max)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_an_ordinary_overflow_is_not_walked_back(dtype):
+    """Inputs far from the range (a square of values at 0.5% of it): the culprit made the
+    overflow itself; no magnitude, no extra replay."""
+    x = jnp.full((2, 4), 0.005 * float(jnp.finfo(dtype).max), dtype)
+    r = replay.locate(jax.make_jaxpr(lambda x: _mean_sq(x * 1))(x), (x,))
+    assert r is not None and r.magnitude is None and "near overflow" not in str(r)
+
+
+class _Two(nnx.Module):
+    """A Linear whose output lands near the range (neither its input nor its weight is), then
+    a LayerNorm whose statistics overflow on it: two sites."""
+
+    def __init__(self, *, rngs):
+        self.lin = nn.Linear(4, 4, rngs=rngs)
+        self.norm = nn.LayerNorm(4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.norm(self.lin(x))
+
+
+def test_the_site_that_made_the_near_overflow_input_goes_to_safe_with_the_culprits():
+    model = _Two(rngs=nnx.Rngs(0))
+    model.lin.kernel[...] = jnp.full((4, 4), 3e34, jnp.float32)  # 1e-4 of the range
+    state = nan2safe.TrainState.create(model, optax.sgd(1e-3))
+    step = nan2safe.make_train_step(lambda m, b: jnp.mean(m(b) ** 2))
+    x = jnp.full((2, 4), 1e3, jnp.float32)  # output 4 * 1e3 * 3e34 = 1.2e38: 35% of the range
+    _, metrics = step(state, x)
+    assert not bool(metrics["finite"])
+    cfg = Config()
+    decision = incidents.decide(step, state, x, state, {}, cfg)
+    r = decision.report
+    assert r.site == "norm" and r.magnitude is not None, r
+    assert r.magnitude["origin"]["site"] == "lin" and r.magnitude["origin"]["primitive"] == (
+        "dot_general"
+    )
+    new = decision.gear
+    assert int(np.max(np.asarray(new.sites["norm"]))) == Gear.SAFE
+    assert int(np.max(np.asarray(new.sites["lin"]))) == Gear.SAFE
+    assert decision.enter["site"] == "norm" and decision.enter["also"]["site"] == "lin"
+    assert "site lin, which made its near-overflow input" in decision.action
+
+
+def test_a_weight_a_bad_update_made_huge_is_rolled_back_at_the_first_incident(tmp_path):
+    """newuser48: a weight x1e37 (finite) makes the next LayerNorm's statistics overflow. The
+    culprit stays the norm's; its input comes from that parameter, which no gear undoes: the
+    first incident rolls back to the checkpoint before it (it was three incidents, SAFE stays
+    at the norm, and the weight kept)."""
+    rng = np.random.default_rng(0)
+    batches = [jnp.asarray(rng.normal(size=(4, 4)), jnp.float32) for _ in range(14)]
+    cfg = Config(checkpoint_every=5, safe_max_steps=3, recovery_window=8, min_history=8)
+    loss = lambda m, x: jnp.mean(m(x) ** 2)  # noqa: E731
+    with nan2safe.Trainer(_Two(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss, cfg, tmp_path) as tr:
+        tr.fit(batches[:7], steps=7)
+        huge = jax.tree_util.tree_map_with_path(
+            lambda p, a: a * 1e37 if "lin" in str(p) and "kernel" in str(p) else a,
+            tr.state.params,
+        )
+        tr.state = tr.state.replace(params=huge)
+        hist = tr.fit(batches[7:], steps=7)
+        ev = tr.events
+    (loc,) = [e for e in ev if e["type"] == "locate"]
+    assert loc["report"]["site"] == "norm", loc["report"]
+    assert loc["report"]["magnitude"]["argument"] == "[0].params['lin']['kernel'].value"
+    (rb,) = [e for e in ev if e["type"] == "rollback"]
+    assert rb["step"] == 7 and rb["to_step"] == 5 and tr.incidents == 1
+    assert all(np.isfinite(h["loss"]) for h in hist[1:])
+    assert float(jnp.abs(tr.state.params["lin"]["kernel"][...]).max()) < 10
