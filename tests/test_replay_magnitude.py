@@ -83,6 +83,37 @@ def test_an_ordinary_overflow_is_not_walked_back(dtype):
     assert r is not None and r.magnitude is None and "near overflow" not in str(r)
 
 
+def _exp_layer(c, w):
+    h = jnp.exp(c * w)  # iteration 2 lands near the top of f32
+    return c, jnp.sum(h * h)
+
+
+def _weight_layer(c, w):
+    return c, jnp.sum((c * w) ** 2)
+
+
+@pytest.mark.parametrize("layer", [_exp_layer, _weight_layer], ids=["exp", "weight"])
+def test_inside_a_scan_the_walk_stays_in_the_culprits_iteration(layer):
+    """A scanned stack: the culprit is in iteration 2's body; the walk names the body's ``exp``
+    (with the iteration in its path), or the body's input the weight slice came in as."""
+    ws = jnp.asarray([0.1, 0.2, 1.0, 0.3], jnp.float32)
+    c = jnp.full((3,), 87.0, jnp.float32)
+    if layer is _weight_layer:
+        ws, c = ws.at[2].set(1e37), jnp.full((3,), 2.0, jnp.float32)
+    f = lambda ws, c: jax.lax.scan(layer, c, ws)[1].sum()  # noqa: E731
+    r = replay.locate(jax.make_jaxpr(f)(ws, c), (ws, c))
+    assert ("iter", 2) in r.eqn_path, r.eqn_path
+    m = r.magnitude
+    if layer is _exp_layer:
+        assert m["origin"]["primitive"] == "exp" and ["iter", 2] in m["origin"]["eqn_path"]
+        assert m["origin"]["source"] == _line(_exp_layer, "jnp.exp")
+        np.testing.assert_allclose(m["max_abs"], np.exp(np.float64(87.0)), rtol=1e-5)
+    else:
+        assert m["origin"] is None and m["argument"].startswith("input "), m
+        assert "iter=2" in m["argument"], m
+        np.testing.assert_allclose(m["max_abs"], 1e37, rtol=1e-6)
+
+
 class _Two(nnx.Module):
     """A Linear whose output lands near the range (neither its input nor its weight is), then
     a LayerNorm whose statistics overflow on it: two sites."""

@@ -40,6 +40,7 @@ from nan2safe_jax.replay.report import (
     direction_of,
     magnitude_sentence,
     opaque_why,
+    path_str,
 )
 from nan2safe_jax.replay.search import Found, Session, first_flagged, flatten, search
 from nan2safe_jax.site import site_from_name_stack
@@ -321,7 +322,7 @@ def _locate(
         why = opaque_why(ref.primitive, out, kind, in_stats)
     near = None
     if mode == "root" and not found.constant:
-        near = _magnitude(sess, top_jaxpr, list(consts), leaves_with_path, ns, found)
+        near = _magnitude(sess, leaves_with_path, found)
         if near is not None:
             why += f"; {magnitude_sentence(near)}"
     return Report(
@@ -348,22 +349,16 @@ def _locate(
     )
 
 
-def _magnitude(
-    sess: Session, jaxpr: Any, consts: list, leaves_with_path: list, ns: Any, found: Found
-) -> dict[str, Any] | None:
-    """``Report.magnitude`` of a culprit at the top level whose input was ``NEAR`` overflow
-    (``replay.magnitude``); None otherwise (one replay more only when an input is near).
-    A culprit inside a loop body, a branch or a shard is not walked back (its level's inputs
-    are not the program's)."""
-    if any(isinstance(e, tuple) for e in found.path) or magnitude.near_input(found.invals) < (
-        magnitude.NEAR
-    ):
+def _magnitude(sess: Session, leaves_with_path: list, found: Found) -> dict[str, Any] | None:
+    """``Report.magnitude`` of a culprit whose input was ``NEAR`` overflow, walked back within
+    the level it was found in (``replay.magnitude``); None otherwise (one replay more only when
+    an input is near). Inside a ``shard_map`` body (values per shard) it is not walked back.
+    """
+    if found.where is None or magnitude.near_input(found.invals) < magnitude.NEAR:
         return None
-    items = flatten(jaxpr, ns)
-    k = next((i for i, it in enumerate(items) if it.eqn is found.item.eqn), None)
-    if k is None:
-        return None
-    org = magnitude.origin(sess, jaxpr, consts, [x for _, x in leaves_with_path], ns, k)
+    level, jaxpr, consts, args, ns, frames, base, k = found.where
+    top = level == "top"
+    org = magnitude.origin(sess, level, jaxpr, list(consts), list(args), ns, k, top)
     if org is None:
         return None
     out: dict[str, Any] = {
@@ -376,11 +371,12 @@ def _magnitude(
         "argument": None,
     }
     if org.record is not None:
-        it = items[org.record]
-        ref = _ref(Found(it, it.path, [], []))
-        out["origin"] = ref.to_dict()
-    elif org.argument is not None:
+        it = flatten(jaxpr, ns, (), frames)[org.record]
+        out["origin"] = _ref(Found(it, (*base, *it.path), [], [])).to_dict()
+    elif org.argument is not None and top:
         out["argument"] = jax.tree_util.keystr(leaves_with_path[org.argument][0])
+    elif org.argument is not None:  # an input of a loop body, a branch: the level's, not ours
+        out["argument"] = f"input {org.argument} of the body at {path_str(base)}"
     return out
 
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nan2safe_jax.replay import interpret
+from nan2safe_jax.replay.search import structure
 
 __all__ = ["NEAR", "Origin", "near_input", "origin"]
 
@@ -89,14 +90,17 @@ def _max_abs(x: Any) -> Any:
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
-def _trace(jaxpr: Any, consts: list, args: list, ns: Any, known: dict, stop: int, meta: dict):
+def _trace(
+    jaxpr: Any, consts: list, args: list, ns: Any, known: dict, stop: int, meta: dict, top: bool
+):
     """The replay: the level walked up to and including flat equation ``stop - 1``; fills
     ``meta`` (its records, value dtypes, argument references) while it traces."""
 
     def fn(consts, args):
         ctx = interpret.Ctx("flags", known=known, stop_at=stop)
         arg_refs = [ctx.ref(a) for a in args]  # registered first, as the flags replay does
-        ctx.mark_constants(consts)
+        if top:  # the program's closed-over constants (a body's constants are its operands)
+            ctx.mark_constants(consts)
         try:
             interpret.walk(jaxpr, consts, args, ctx, ns)
         except interpret.Stop:
@@ -111,24 +115,38 @@ def _trace(jaxpr: Any, consts: list, args: list, ns: Any, known: dict, stop: int
     return fn
 
 
-def origin(sess: Any, jaxpr: Any, consts: list, args: list, ns: Any, culprit: int) -> Origin | None:
-    """Walks the culprit's largest near-overflow input back to where it was made.
+def origin(
+    sess: Any,
+    level: Any,
+    jaxpr: Any,
+    consts: list,
+    args: list,
+    ns: Any,
+    culprit: int,
+    top: bool,
+) -> Origin | None:
+    """Walks the culprit's largest near-overflow input back to where it was made, within the
+    level the culprit is in (the step's top level, a loop iteration's body, a taken branch).
 
     Args:
       sess: the localization's ``search.Session`` (its replays are counted and cached).
-      jaxpr, consts, args, ns: the top level, as ``search.search`` was given it.
+      level, jaxpr, consts, args, ns: the level, as ``search.search`` was given it.
       culprit: the culprit's flat index in that level.
+      top: the level is the program's top level.
 
     Returns:
       The ``Origin``, or None when no input of the culprit is ``NEAR`` its range (it made the
       non-finite value from ordinary inputs) or the culprit is not in the walk's records.
     """
-    known = sess.known("top", jaxpr, consts, args, ns)
+    known = sess.known(level, jaxpr, consts, args, ns)
     meta: dict = {}
-    fn = _trace(jaxpr, consts, args, ns, known, culprit + 1, meta)
+    fn = _trace(jaxpr, consts, args, ns, known, culprit + 1, meta, top)
     mags = np.asarray(
         sess.call(
-            ("magnitude", culprit, tuple(sorted(known.items()))), fn, list(consts), list(args)
+            ("magnitude", structure(level), culprit, tuple(sorted(known.items()))),
+            fn,
+            list(consts),
+            list(args),
         ),
         np.float64,
     )

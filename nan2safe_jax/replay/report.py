@@ -60,7 +60,7 @@ class EqnRef:
 
     def __str__(self) -> str:
         return (
-            f"{self.primitive} at {self.source} [{self.direction}] path={_path_str(self.eqn_path)}"
+            f"{self.primitive} at {self.source} [{self.direction}] path={path_str(self.eqn_path)}"
         )
 
 
@@ -175,7 +175,7 @@ class Report:
             if self.user_source and self.user_source != self.source:
                 lines.append(f"  called from: {self.user_source}")
             lines.append(f"  name stack: {self.name_stack or '-'}   site: {self.site or '-'}")
-            lines.append(f"  eqn path: {_path_str(self.eqn_path)}")
+            lines.append(f"  eqn path: {path_str(self.eqn_path)}")
             if self.shard is not None:
                 lines.append(f"  shard: {self.shard} (device {self.device or '-'})")
             for i, s in enumerate(self.inputs):
@@ -416,7 +416,7 @@ def _path_to_json(path: tuple) -> list:
     return [list(p) if isinstance(p, tuple) else p for p in path]
 
 
-def _path_str(path: tuple) -> str:
+def path_str(path: tuple) -> str:
     return "/".join(f"{p[0]}={p[1]}" if isinstance(p, tuple) else str(p) for p in path) or "-"
 
 

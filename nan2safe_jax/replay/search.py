@@ -117,14 +117,17 @@ class Found:
     mode: str = "root"  # the flag that found it (``interpret.MODES``)
     constant: bool = False  # a higher-order equation whose body made nothing non-finite
     shard: Any = None  # rules.ShardCtx when found inside a shard_map body
+    # (level, jaxpr, consts, args, ns, frames, base path, flat index): the level the culprit was
+    # found in, for a replay of it (``magnitude.py``); None inside a shard_map body
+    where: tuple | None = None
 
 
-def _structure(level: Any) -> Any:
+def structure(level: Any) -> Any:
     """``level`` without step numbers: every iteration of a loop body shares one replay."""
     if not isinstance(level, tuple):
         return level
     parent, k, elem = level
-    return (_structure(parent), k, elem[0] if elem[0] in ("iter", "cond", "shard") else elem)
+    return (structure(parent), k, elem[0] if elem[0] in ("iter", "cond", "shard") else elem)
 
 
 def _pick(tree: Any, shard: Any) -> Any:
@@ -170,7 +173,7 @@ class Session:
             return {}
         hit = self._known.get(level)
         if hit is None:
-            key = ("branches", _structure(level))
+            key = ("branches", structure(level))
             call = lambda key, fn, *a: self.call(key, fn, *a, replay=False)  # noqa: E731
             hit = branches.known_indices(call, key, jaxpr, consts, args, ns)
             self._known[level] = hit
@@ -234,7 +237,7 @@ class Session:
             return root, nan, literal, steps, codes
 
         res = self.call(
-            ("flags", _structure(level), top, tuple(sorted(known.items()))),
+            ("flags", structure(level), top, tuple(sorted(known.items()))),
             fn, list(consts), list(args),
             shard=shard, stacked=(False, True),
         )  # fmt: skip
@@ -362,7 +365,7 @@ class Session:
                     f"replay: flat equations {missing} not reached"
                 )  # pragma: no cover
 
-            key = ("capture", _structure(level), tuple(missing), tuple(sorted(known.items())))
+            key = ("capture", structure(level), tuple(missing), tuple(sorted(known.items())))
             out = self.call(key, fn, list(consts), list(args), shard=shard, stacked=(False, True))
             for k, payload in zip(missing, out, strict=True):
                 self._captured[(level, k)] = payload
@@ -393,7 +396,7 @@ class Session:
                 return stop.payload[k]
             raise RuntimeError(f"replay: flat equation {k} not reached")  # pragma: no cover
 
-        key = ("capture_into", _structure(level), k, tuple(sorted(known.items())))
+        key = ("capture_into", structure(level), k, tuple(sorted(known.items())))
         return list(self.call(key, fn, list(consts), list(args), np.int32(step)))
 
     def step_flags(
@@ -405,7 +408,7 @@ class Session:
         def fn(invals):
             return item.rule.flags(item.eqn, invals, item.name_stack)[1]
 
-        key = ("step_flags", _structure(level), k)
+        key = ("step_flags", structure(level), k)
         steps = _pick(self.call(key, fn, list(invals), shard=shard, stacked=(True,)), shard)
         return [int(s) for s in np.asarray(steps)]
 
@@ -417,7 +420,7 @@ class Session:
         def fn(invals, step):
             return item.rule.capture(item.eqn, invals, item.name_stack, step)
 
-        key = ("step_capture", _structure(level), k)
+        key = ("step_capture", structure(level), k)
         out = self.call(key, fn, list(invals), np.int32(step), shard=shard, stacked=(True, False))
         return list(out)
 
@@ -481,7 +484,10 @@ def search(
             invals, outvals = sess.capture(level, jaxpr, consts, args, ns, [k], shard)[k]
             mine = _pick((list(invals), list(outvals)), shard)
             if item.rule is None:
-                return Found(item, path, *mine, mode, shard=shard)
+                where = (
+                    None if shard is not None else (level, jaxpr, consts, args, ns, frames, base, k)
+                )
+                return Found(item, path, *mine, mode, shard=shard, where=where)
             sub_shard = shard
             if item.rule.pick is not None:  # the step is known from the operands (a branch)
                 step = item.rule.pick(item.eqn, mine[0])
