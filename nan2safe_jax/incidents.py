@@ -493,15 +493,23 @@ def _downshift(
     (newuser48: a router weight x1e38 blamed on the next LayerNorm)."""
     site = report.site
     made = _origin_site(report, gs)
-    maker = False
+    huge = _huge_parameter(report)
+    rolls = (
+        f"; its near-overflow input comes from the parameter {huge}: a weight that large is "
+        "damage no gear undoes (a bad update), roll back to the newest finite checkpoint"
+        if huge is not None
+        else ""
+    )
+    hint = None
     made_in_safe = made is not None and bool(np.max(gear_lib.effective(ran, made)) >= Gear.SAFE)
-    if (site is None or site not in gs.sites) and made is not None and not made_in_safe:
-        # (a maker already in SAFE saturated its output there: the fallback's business)
-        site, made, maker = made, None, True
+    if site is None or site not in gs.sites:
+        hint = unsited_hint(report, gs.sites, nearest)
+        if made is not None and not made_in_safe:
+            # the maker alone (one already in SAFE saturated its output there: the fallback's)
+            site, made = made, None
     elif made == site:
         made = None
     if site is None or site not in gs.sites:
-        hint = unsited_hint(report, gs.sites, nearest)
         repeat = int(ran.level) >= Gear.SAFE
         new = gear_lib.set_level(gs, Gear.SAFE, cfg)
         enter = dict(site=None, steps=cfg.safe_max_steps, scope="global", fallback=True)
@@ -518,7 +526,9 @@ def _downshift(
                 "culprit's own arithmetic"
             )
         kind = "repeat" if repeat else "located"
-        return Decision(kind, report, new, repeat, action, enter, hint=hint)
+        return Decision(
+            kind, report, new, repeat or huge is not None, action + rolls, enter, hint=hint
+        )
     index = None
     shape = gs.sites[site].shape
     iters = [p[1] for p in report.eqn_path if isinstance(p, tuple) and p[0] == "iter"]
@@ -532,28 +542,25 @@ def _downshift(
     left = int(np.max(np.asarray(new.safe_left[site])))
     where = site if index is None else f"{site}[{index}]"
     action = f"site {where} -> SAFE for {left} steps"
-    if maker:
+    if hint is not None:  # the culprit is in no site: its input's maker is
         action = (
-            f"site {where}, which made the culprit's near-overflow input, -> SAFE for {left} steps"
+            f"{hint}. Site {where}, which made the culprit's near-overflow input, -> SAFE for "
+            f"{left} steps"
         )
     if made is not None:
         new = gear_lib.set_site(new, made, Gear.SAFE, cfg=cfg)
         action += f"; site {made}, which made its near-overflow input, -> SAFE too"
     if repeat:
         action = f"site {where} failed again in SAFE: roll back, {action}"
-    huge = _huge_parameter(report)
-    if huge is not None:
-        action += (
-            f"; its near-overflow input comes from the parameter {huge}: a weight that large "
-            "is damage no gear undoes (a bad update), roll back to the newest finite checkpoint"
-        )
+    action += rolls
     enter = dict(site=site, steps=left, layer=index)
     if made is not None:  # the trainer logs a safe_enter of its own for it
         enter["also"] = dict(
             site=made, steps=int(np.max(np.asarray(new.safe_left[made]))), layer=None
         )
     restore = repeat or huge is not None
-    return Decision("repeat" if repeat else "located", report, new, restore, action, enter)
+    kind = "repeat" if repeat else "located"
+    return Decision(kind, report, new, restore, action, enter, hint=hint)
 
 
 def _huge_parameter(report: Report) -> str | None:

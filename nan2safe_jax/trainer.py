@@ -11,6 +11,7 @@ lands in ``events.jsonl``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -707,17 +708,24 @@ class Trainer:
             bar.update(m)
         if m["skipped"]:
             self.log.append("skip", done.step, reason=_skip_reason(m), loss=m["loss"])
-        restart = None
+        # The metrics line is written once the step is decided: tier 2, a rollback or a stop
+        # change its record (``incident``, ``next_gear``), and it must read as the history's.
         try:
             restart = self._act(done, m, decided)
-        finally:
-            # Logged once the step is decided: tier 2, a rollback or a stop change its record
-            # (``incident``, ``next_gear``), and the line must read as the history's does.
-            if (done.step + 1) % self.cfg.log_every == 0 or m["incident"] or m["polluted"]:
-                self.log.log_metrics(
-                    {k: m[k] for k in m if k not in ("probe_risk",)} | {"step": done.step}
-                )
+        except BaseException:
+            with contextlib.suppress(OSError, ValueError):  # the error in flight is the news
+                self._log_metrics(done, m)
+            raise
+        self._log_metrics(done, m)
         return restart
+
+    def _log_metrics(self, done: _Step, m: dict) -> None:
+        """Step ``done``'s line of ``metrics.jsonl``, every ``log_every`` steps and at every
+        incident or polluted batch."""
+        if (done.step + 1) % self.cfg.log_every == 0 or m["incident"] or m["polluted"]:
+            self.log.log_metrics(
+                {k: m[k] for k in m if k not in ("probe_risk",)} | {"step": done.step}
+            )
 
     def _act(self, done: _Step, m: dict, decided) -> _Restart | None:
         """``_finish``'s decisions for step ``done``: tier 2 (``decided``, when
@@ -744,12 +752,14 @@ class Trainer:
             if self._lr_left == 0:
                 self.log.append("lr_restore", done.step, lr_scale=1.0)
                 restart = _Restart(done.after.replace(lr_scale=jnp.ones([], jnp.float32)))
-        if restart is None or restart.in_place:
-            restart = self._checkpoint_at(done, m, restart)
-        if restart is not None and not restart.in_place:
-            # The next step runs at the restored checkpoint's gears (with the decision's).
-            m["next_gear"] = int(restart.state.gear.level)
-        self._gear_events(done.step, m)
+        try:
+            if restart is None or restart.in_place:
+                restart = self._checkpoint_at(done, m, restart)
+        finally:  # a failed save still logs the gears the step took
+            if restart is not None and not restart.in_place:
+                # The next step runs at the restored checkpoint's gears (with the decision's).
+                m["next_gear"] = int(restart.state.gear.level)
+            self._gear_events(done.step, m)
         return restart
 
     def _checkpoint_at(self, done: _Step, m: dict, restart: _Restart | None) -> _Restart | None:

@@ -59,6 +59,54 @@ def test_an_exp_that_lands_near_the_range_is_named_where_the_square_overflows(dt
     assert "`exp`" in r.explanation and "near overflow" in str(r)
 
 
+_SQ = jax.jit(_mean_sq)
+
+
+def _twice(x):
+    first = _SQ(x)  # the same jitted jaxpr, called twice: its equations are shared objects
+    h = jnp.exp(x + 87.5)  # near the top of f32
+    return first + _SQ(h)
+
+
+def test_a_culprit_in_the_second_call_of_a_jitted_function_is_walked_from_its_own_inputs():
+    """The two calls of ``_SQ`` hold the same equation objects: the walk starts from the
+    culprit's position (the second call), not the first object equal to it. Located twice:
+    the second locate reuses the compiled replays and says the same."""
+    x = jnp.asarray(np.random.default_rng(2).uniform(0.0, 0.4, size=(3, 4)), jnp.float32)
+    jaxpr = jax.make_jaxpr(_twice)(x)
+    first = replay.locate(jaxpr, (x,))
+    again = replay.locate(jaxpr, (x,))
+    for r in (first, again):
+        assert r.magnitude is not None and r.magnitude["origin"]["primitive"] == "exp", r
+        assert r.magnitude["origin"]["source"] == _line(_twice, "jnp.exp")
+    assert first.magnitude == again.magnitude
+    assert first.eqn_path[0] > first.magnitude["origin"]["eqn_path"][0]  # the second call
+
+
+def _upcast_then_square(x16):
+    h = x16.astype(jnp.float32) * 3e35  # 1000 * 3e35: 88% of f32's range
+    return jnp.sum(h * h)
+
+
+def test_a_value_is_measured_in_the_dtype_the_next_equation_reads_it_in():
+    """An f16 input of 1000 (1.5% of f16's range) read by f32 arithmetic is far from f32's
+    range: the walk stops at the f32 ``mul`` that made the large value, not at the argument."""
+    x = jnp.full((2, 3), 1000.0, jnp.float16)
+    r = replay.locate(jax.make_jaxpr(_upcast_then_square)(x), (x,))
+    m = r.magnitude
+    assert m is not None and m["origin"]["primitive"] == "mul" and m["argument"] is None, m
+    np.testing.assert_allclose(m["inputs_max_abs"], 1000.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_a_mask_fill_at_the_dtypes_minimum_is_not_near_overflow(dtype):
+    """flax fills masked logits with ``finfo.min``: such values are no near-overflow input."""
+    fill = jnp.asarray([float(jnp.finfo(dtype).min), 1.0, 2.0], dtype)
+    assert magnitude.near_input([fill]) == pytest.approx(2.0 / float(jnp.finfo(dtype).max))
+    near = jnp.asarray([0.5 * float(jnp.finfo(dtype).max), 1.0], dtype)
+    assert magnitude.near_input([near]) == pytest.approx(0.5, rel=1e-2)
+
+
 def _matmul_then_square(params, x):
     return _mean_sq(x @ params["w"])
 
@@ -173,3 +221,42 @@ def test_a_weight_a_bad_update_made_huge_is_rolled_back_at_the_first_incident(tm
     assert rb["step"] == 7 and rb["to_step"] == 5 and tr.incidents == 1
     assert all(np.isfinite(h["loss"]) for h in hist[1:])
     assert float(jnp.abs(tr.state.params["lin"]["kernel"][...]).max()) < 10
+
+
+def _report(site, origin_site=None, argument=None):
+    """A report of a culprit at ``site`` whose near-overflow input came from an equation of
+    ``origin_site`` or from ``argument``."""
+    from nan2safe_jax.replay.report import Report
+
+    origin = None if origin_site is None else {"primitive": "dot_general", "site": origin_site}
+    magnitude_ = {
+        "fraction": 0.5, "max_abs": 1e37, "origin_fraction": 0.03, "inputs_max_abs": 1.0,
+        "steps": 1, "origin": origin, "argument": argument,
+    }  # fmt: skip
+    return Report.no_equation(
+        kind="inf", inputs=[], channels={}, diagnosis="overflow", explanation="", replays=0,
+        seconds=0.0, primitive="reduce_sum", site=site, magnitude=magnitude_,
+    )  # fmt: skip
+
+
+def test_an_unsited_culprits_decision_follows_the_maker_or_the_huge_parameter():
+    gs = nan2safe.TrainState.create(_Two(rngs=nnx.Rngs(0)), optax.sgd(1e-3)).gear
+    cfg = Config()
+    # The culprit is in no site, its input's maker is: the maker alone goes to SAFE, the hint
+    # (culprit outside every site) kept.
+    d = incidents._downshift(_report(None, origin_site="lin"), gs, gs, cfg)
+    assert d.enter["site"] == "lin" and d.hint is not None and not d.restore
+    assert int(np.max(np.asarray(d.gear.sites["lin"]))) == Gear.SAFE
+    assert int(np.max(np.asarray(d.gear.sites["norm"]))) == Gear.FAST
+    # A maker already in SAFE saturated its output there: the whole-model fallback.
+    ran = nan2safe.gear.set_site(gs, "lin", Gear.SAFE, cfg=cfg)
+    d = incidents._downshift(_report(None, origin_site="lin"), ran, ran, cfg)
+    assert d.enter["scope"] == "global"
+    # A parameter as the origin: a rollback, whether the culprit is in a site or not.
+    arg = "[0].params['lin']['kernel'].value"
+    for site in (None, "norm"):
+        d = incidents._downshift(_report(site, argument=arg), gs, gs, cfg)
+        assert d.restore and d.kind == "located" and "['lin']['kernel']" in d.action, d.action
+    # The batch as the origin is no damage of the state.
+    d = incidents._downshift(_report("norm", argument="[1]"), gs, gs, cfg)
+    assert not d.restore and d.enter["site"] == "norm"

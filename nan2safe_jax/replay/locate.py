@@ -358,7 +358,8 @@ def _magnitude(sess: Session, leaves_with_path: list, found: Found) -> dict[str,
         return None
     level, jaxpr, consts, args, ns, frames, base, k = found.where
     top = level == "top"
-    org = magnitude.origin(sess, level, jaxpr, list(consts), list(args), ns, k, top)
+    items = flatten(jaxpr, ns, (), frames)
+    org = magnitude.origin(sess, level, jaxpr, list(consts), list(args), ns, k, top, items)
     if org is None:
         return None
     out: dict[str, Any] = {
@@ -371,7 +372,7 @@ def _magnitude(sess: Session, leaves_with_path: list, found: Found) -> dict[str,
         "argument": None,
     }
     if org.record is not None:
-        it = flatten(jaxpr, ns, (), frames)[org.record]
+        it = items[org.record]
         out["origin"] = _ref(Found(it, (*base, *it.path), [], [])).to_dict()
     elif org.argument is not None and top:
         out["argument"] = jax.tree_util.keystr(leaves_with_path[org.argument][0])

@@ -45,7 +45,8 @@ class Origin:
         the walk does not enter).
       argument: the index of the program's argument it is, or None.
       max_abs: ``max |x|`` of the value the origin made (or the argument's).
-      fraction: ``max_abs`` over the largest finite value of its dtype.
+      fraction: ``max_abs`` over the largest finite value of the dtype the equation after it
+        on the walk reads it in.
       inputs_max_abs: ``max |x|`` of the origin equation's float input nearest its range (how
         far from the range it started), None for an argument.
       steps: equations walked back from the culprit (those passing the value through unchanged
@@ -60,34 +61,53 @@ class Origin:
     steps: int
 
 
-def _fraction(mag: float, dtype: Any) -> float:
-    """``mag`` as a fraction of ``dtype``'s largest finite value (0 for non-float dtypes and
-    non-finite ``mag``: an inf carried in by a mask is no near-overflow value)."""
-    if not np.isfinite(mag) or not jnp.issubdtype(dtype, jnp.floating):
-        return 0.0
-    return float(mag) / float(jnp.finfo(dtype).max)
+def _limit(dtype: Any) -> float:
+    """``dtype``'s largest finite value (inf for a dtype without one: nothing is near it)."""
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return float("inf")
+    return float(jnp.finfo(dtype).max)
+
+
+def _range_of(eqn: Any) -> float:
+    """The largest finite value of the dtype equation ``eqn`` reads its inputs in: its widest
+    float operand's (an f16 value read by f32 arithmetic is far from that range), and for a
+    cast, the dtype it casts to (an f32 weight cast to f16 must fit f16's)."""
+    outs = [v.aval.dtype for v in eqn.outvars if hasattr(v.aval, "dtype")]
+    if eqn.primitive.name == "convert_element_type" and outs:
+        return _limit(outs[0])
+    ins = [v.aval.dtype for v in eqn.invars if hasattr(getattr(v, "aval", None), "dtype")]
+    limits = [_limit(d) for d in ins if jnp.issubdtype(d, jnp.floating)]
+    return max(limits) if limits else float("inf")
 
 
 def near_input(invals: list) -> float:
     """The largest ``max |x| / finfo.max`` over the finite float inputs of an equation (host
-    values): ``origin`` walks back only when this is ``NEAR`` or more."""
+    values, in the dtypes the equation reads them in), values at exactly ``±finfo.max`` left
+    out (a mask's ``finfo.min`` fill, as flax's attention writes it, is no near-overflow
+    value): ``origin`` walks back only when this is ``NEAR`` or more."""
     best = 0.0
     for x in invals:
         a = np.asarray(x)
         if not interpret.inexact(a) or a.size == 0 or a.dtype.kind == "c":
             continue
-        finite = np.abs(a[np.isfinite(a)].astype(np.float64))
-        if finite.size:
-            best = max(best, _fraction(float(finite.max()), a.dtype))
+        top = _limit(a.dtype)
+        mags = np.abs(a.astype(np.float64))
+        mags = mags[np.isfinite(mags) & (mags < top)]
+        if mags.size:
+            best = max(best, float(mags.max()) / top)
     return best
 
 
 def _max_abs(x: Any) -> Any:
+    """``max |x|`` in f32, the values at exactly ``±finfo.max`` (fills) and non-finite ones
+    left out (see ``near_input``)."""
     if jnp.iscomplexobj(x):
         x = jnp.abs(x)
     if np.size(x) == 0:
         return jnp.zeros((), jnp.float32)
-    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+    a = jnp.abs(x)
+    keep = a < jnp.finfo(a.dtype).max  # also drops inf; a NaN compares False
+    return jnp.max(jnp.where(keep, a, jnp.zeros((), a.dtype))).astype(jnp.float32)
 
 
 def _trace(
@@ -105,8 +125,8 @@ def _trace(
             interpret.walk(jaxpr, consts, args, ctx, ns)
         except interpret.Stop:
             pass
-        meta["recs"] = [(r[0], r[1], r[2]) for r in ctx.recs]
-        meta["dtypes"] = [jnp.result_type(v) for v in ctx.vals]
+        # (a loop instrumented in place holds its traced flags where a record holds inputs)
+        meta["recs"] = [(r[0], None if r[0] == "given" else r[1], r[2]) for r in ctx.recs]
         meta["args"] = [r[1] for r in arg_refs]
         if not ctx.vals:
             return jnp.zeros((0,), jnp.float32)
@@ -124,6 +144,7 @@ def origin(
     ns: Any,
     culprit: int,
     top: bool,
+    items: list,
 ) -> Origin | None:
     """Walks the culprit's largest near-overflow input back to where it was made, within the
     level the culprit is in (the step's top level, a loop iteration's body, a taken branch).
@@ -133,6 +154,7 @@ def origin(
       level, jaxpr, consts, args, ns: the level, as ``search.search`` was given it.
       culprit: the culprit's flat index in that level.
       top: the level is the program's top level.
+      items: the level's flat equations (``search.flatten``), one per record of the walk.
 
     Returns:
       The ``Origin``, or None when no input of the culprit is ``NEAR`` its range (it made the
@@ -152,10 +174,11 @@ def origin(
     )
     if "recs" not in meta:  # a compiled replay from an earlier localization: trace it again
         jax.eval_shape(fn, list(consts), list(args))
-    recs, dtypes = meta["recs"], meta["dtypes"]
+    recs = meta["recs"]
     if culprit >= len(recs) or recs[culprit][0] == "given" or recs[culprit][1] is None:
         return None
-    frac = np.asarray([_fraction(m, d) for m, d in zip(mags, dtypes, strict=True)])
+    if len(recs) > len(items):  # pragma: no cover - the walk and ``flatten`` disagree
+        return None
     producer: dict[int, int] = {}
     for k, (kind, in_ref, out_ref) in enumerate(recs[:culprit]):
         if kind == "given" or out_ref is None:
@@ -163,22 +186,27 @@ def origin(
         for v in out_ref[1] - (in_ref[1] if in_ref is not None else frozenset()):
             producer.setdefault(v, k)
 
-    def largest(ref) -> int | None:
+    def largest(k: int) -> tuple[int | None, float]:
+        """The input of record ``k`` nearest the range ``k`` reads it in, and how near."""
+        ref, top = recs[k][1], _range_of(items[k].eqn)
         vs = sorted(ref[1]) if ref is not None else []
-        return max(vs, key=lambda v: frac[v]) if vs else None
+        if not vs:
+            return None, 0.0
+        v = max(vs, key=lambda v: mags[v])
+        return v, float(mags[v]) / top
 
-    v = largest(recs[culprit][1])
-    if v is None or frac[v] < NEAR:
+    v, near = largest(culprit)
+    if v is None or near < NEAR:
         return None
     steps = 0
     while True:
         k = producer.get(v)
         if k is None:  # an argument, or a value the walk saw no equation make
             arg = next((i for i, r in enumerate(meta["args"]) if v in r), None)
-            return Origin(None, arg, float(mags[v]), float(frac[v]), None, steps)
+            return Origin(None, arg, float(mags[v]), near, None, steps)
         steps += 1
-        u = largest(recs[k][1])
-        if u is None or frac[u] < NEAR:
+        u, near_u = largest(k)
+        if u is None or near_u < NEAR:
             inputs = 0.0 if u is None else float(mags[u])
-            return Origin(k, None, float(mags[v]), float(frac[v]), inputs, steps)
-        v = u
+            return Origin(k, None, float(mags[v]), near, inputs, steps)
+        v, near = u, near_u
