@@ -576,6 +576,26 @@ def _huge_parameter(report: Report) -> str | None:
     return f"{arg[len('[0].params') :]} (max |x| {m['max_abs']:.3g}, {share})"
 
 
+def huge_state_leaf(report: Report) -> str | None:
+    """The ``keystr`` in the train state of the parameter ``report``'s near-overflow input
+    comes from (``_huge_parameter``), or None: what a rollback must not restore again."""
+    if _huge_parameter(report) is None:
+        return None
+    return report.magnitude["argument"][len("[0]") :]
+
+
+def holds_huge(state, keystr: str) -> bool:
+    """Whether ``state``'s leaf at ``keystr`` is still near overflow (``magnitude.NEAR`` of
+    its dtype's range): a checkpoint saved after the bad update (it is finite)."""
+    from nan2safe_jax.replay import magnitude
+
+    try:
+        leaf = _leaf_at(state, keystr)
+    except KeyError:
+        return False
+    return magnitude.near_input([np.asarray(leaf)]) >= magnitude.NEAR
+
+
 def _origin_site(report: Report, gs: GearState) -> str | None:
     """The site whose equation made the culprit's near-overflow input (``Report.magnitude``),
     when it is one of ``gs``'s; else None."""

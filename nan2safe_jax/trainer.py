@@ -1060,7 +1060,9 @@ class Trainer:
           checkpoint exists.
         """
         self._beat()
-        found = self._restore_newest(done.step)
+        huge = incidents.huge_state_leaf(decision.report)
+        refuse = None if huge is None else lambda state: incidents.holds_huge(state, huge)
+        found = self._restore_newest(done.step, refuse)
         if found is None:
             self.log.append("error", done.step, detail="no finite checkpoint to roll back to")
             return None
@@ -1113,9 +1115,13 @@ class Trainer:
         ckpt, incidents_then = self._restored
         return [ckpt] if self.incidents - incidents_then >= 2 else []
 
-    def _restore_newest(self, step_no: int) -> tuple[TrainState, int, dict] | None:
+    def _restore_newest(self, step_no: int, refuse=None) -> tuple[TrainState, int, dict] | None:
         """The newest finite checkpoint at or before ``step_no`` that ``_passed_over`` does
         not pass over (then those after it are deleted, a timeline abandoned), or None.
+
+        ``refuse(state)``: the checkpoint still holds the damage the incident named (a weight a
+        bad update made huge, saved since: it is finite); passed over at once for an older
+        one, when there is one.
 
         Returns:
           ``(state, checkpoint step, extra)``: ``extra`` for the event
@@ -1130,6 +1136,12 @@ class Trainer:
             if found is None and passed:  # none older: the one there is, all the same
                 passed = []
                 found = self.checkpoints.restore_latest(self.state, before=step_no)
+            while found is not None and refuse is not None and refuse(found[0]):
+                older = self.checkpoints.restore_latest(self.state, before=found[1] - 1)
+                if older is None:  # none older: the one there is, all the same
+                    break
+                passed.append(int(found[1]))
+                found = older
         for w in caught:
             self.log.append("error", _skipped_step(w.message, step_no), detail=str(w.message))
         if found is None:

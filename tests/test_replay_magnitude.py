@@ -199,8 +199,8 @@ def test_the_site_that_made_the_near_overflow_input_goes_to_safe_with_the_culpri
 def test_a_weight_a_bad_update_made_huge_is_rolled_back_at_the_first_incident(tmp_path):
     """newuser48: a weight x1e37 (finite) makes the next LayerNorm's statistics overflow. The
     culprit stays the norm's; its input comes from that parameter, which no gear undoes: the
-    first incident rolls back to the checkpoint before it (it was three incidents, SAFE stays
-    at the norm, and the weight kept)."""
+    first incident rolls back (it was three incidents, SAFE stays at the norm, and the weight
+    kept), past checkpoint 7, which holds the weight too, to checkpoint 5."""
     rng = np.random.default_rng(0)
     batches = [jnp.asarray(rng.normal(size=(4, 4)), jnp.float32) for _ in range(14)]
     cfg = Config(checkpoint_every=5, safe_max_steps=3, recovery_window=8, min_history=8)
@@ -212,6 +212,7 @@ def test_a_weight_a_bad_update_made_huge_is_rolled_back_at_the_first_incident(tm
             tr.state.params,
         )
         tr.state = tr.state.replace(params=huge)
+        assert tr.save()  # checkpoint 7 holds the weight (finite), as one due after it would
         hist = tr.fit(batches[7:], steps=7)
         ev = tr.events
     (loc,) = [e for e in ev if e["type"] == "locate"]
@@ -219,6 +220,7 @@ def test_a_weight_a_bad_update_made_huge_is_rolled_back_at_the_first_incident(tm
     assert loc["report"]["magnitude"]["argument"] == "[0].params['lin']['kernel'].value"
     (rb,) = [e for e in ev if e["type"] == "rollback"]
     assert rb["step"] == 7 and rb["to_step"] == 5 and tr.incidents == 1
+    assert rb["passed_over"] == [7] and rb["deleted_checkpoints"] == [7], rb
     assert all(np.isfinite(h["loss"]) for h in hist[1:])
     assert float(jnp.abs(tr.state.params["lin"]["kernel"][...]).max()) < 10
 
