@@ -447,7 +447,7 @@ def test_metrics_probes_are_one_array_row_per_probe_and_scanned_layers_stay_one_
     )
     state = TrainState.create(Transformer(cfg, rngs=nnx.Rngs(0)), optax.adam(1e-3))
     batch = make_batch(jax.random.key(0), cfg, 2)
-    step = make_train_step(lm_loss)
+    step = make_train_step(lm_loss, fast_program=True)  # the FAST-only program alone
     new, m = step(state, batch)
     probes = m["probes"]
     assert isinstance(probes, NamedValues) and len(jax.tree_util.tree_leaves(probes)) == 1
