@@ -143,7 +143,8 @@ def _weight_layer(c, w):
 @pytest.mark.parametrize("layer", [_exp_layer, _weight_layer], ids=["exp", "weight"])
 def test_inside_a_scan_the_walk_stays_in_the_culprits_iteration(layer):
     """A scanned stack: the culprit is in iteration 2's body; the walk names the body's ``exp``
-    (with the iteration in its path), or the body's input the weight slice came in as."""
+    (with the iteration in its path), or the stacked argument whose slice the body's input
+    is (a scanned layer's weight)."""
     ws = jnp.asarray([0.1, 0.2, 1.0, 0.3], jnp.float32)
     c = jnp.full((3,), 87.0, jnp.float32)
     if layer is _weight_layer:
@@ -156,10 +157,14 @@ def test_inside_a_scan_the_walk_stays_in_the_culprits_iteration(layer):
         assert m["origin"]["primitive"] == "exp" and ["iter", 2] in m["origin"]["eqn_path"]
         assert m["origin"]["source"] == _line(_exp_layer, "jnp.exp")
         np.testing.assert_allclose(m["max_abs"], np.exp(np.float64(87.0)), rtol=1e-5)
-    else:
-        assert m["origin"] is None and m["argument"].startswith("input "), m
-        assert "iter=2" in m["argument"], m
+    else:  # the body's input is slice 2 of the stacked argument ``ws``: named as such
+        assert m["origin"] is None and (m["argument"], m["layer"]) == ("[0]", 2), m
+        assert "layer 2 of the stack" in str(r)
         np.testing.assert_allclose(m["max_abs"], 1e37, rtol=1e-6)
+        # a body input no argument's slice equals: named as the body's input
+        g = lambda ws, c: jax.lax.scan(layer, c, ws * 2)[1].sum()  # noqa: E731
+        m = replay.locate(jax.make_jaxpr(g)(ws, c), (ws, c)).magnitude
+        assert m["origin"] is None and "iter=2" in m["argument"] and "layer" not in m, m
 
 
 class _Two(nnx.Module):

@@ -377,8 +377,33 @@ def _magnitude(sess: Session, leaves_with_path: list, found: Found) -> dict[str,
     elif org.argument is not None and top:
         out["argument"] = jax.tree_util.keystr(leaves_with_path[org.argument][0])
     elif org.argument is not None:  # an input of a loop body, a branch: the level's, not ours
-        out["argument"] = f"input {org.argument} of the body at {path_str(base)}"
+        stacked = _stacked_argument(leaves_with_path, args[org.argument], base)
+        if stacked is not None:
+            out["argument"], out["layer"] = stacked
+        else:
+            out["argument"] = f"input {org.argument} of the body at {path_str(base)}"
     return out
+
+
+def _stacked_argument(leaves_with_path: list, value: Any, base: tuple) -> tuple[str, int] | None:
+    """``(keystr, t)`` of the one argument of the program whose slice ``t`` is ``value``, an
+    input of iteration ``t`` of a loop body (``base`` ends with ``("iter", t)``): a layer's
+    weight of a scanned stack, the stacked parameter sliced by the scan (equal values, the
+    same dtype); None when no argument, or more than one, is.
+    """
+    iters = [e for e in base if isinstance(e, tuple) and e[0] == "iter"]
+    if len(iters) != 1:
+        return None
+    t = int(iters[0][1])
+    v = np.asarray(value)
+    hits = []
+    for path, leaf in leaves_with_path:
+        shape, dtype = np.shape(leaf), getattr(leaf, "dtype", None)
+        if len(shape) != v.ndim + 1 or tuple(shape[1:]) != v.shape or dtype != v.dtype:
+            continue
+        if t < shape[0] and np.array_equal(np.asarray(leaf[t]), v):
+            hits.append(jax.tree_util.keystr(path))
+    return (hits[0], t) if len(hits) == 1 else None
 
 
 @jax.jit

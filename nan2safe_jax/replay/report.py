@@ -105,7 +105,8 @@ class Report:
         (an ``EqnRef`` dict: the first equation, walking back, whose inputs were far from their
         range) or ``argument`` (the ``keystr`` of the program's argument it is), with the
         ``max_abs`` and ``origin_fraction`` of the value made there and ``inputs_max_abs``, the
-        largest input of the origin equation; else None.
+        largest input of the origin equation; ``layer``: the slice of a stacked argument a
+        scanned body's input is (a scanned layer's weight); else None.
     """
 
     primitive: str | None
@@ -205,7 +206,11 @@ def magnitude_sentence(m: dict[str, Any]) -> str:
             f"(max |x| {m['max_abs']:.3g}) from inputs no larger than {m['inputs_max_abs']:.3g}"
         )
     if m.get("argument") is not None:
-        return f"{head}; it comes from the argument {m['argument']} (max |x| {m['max_abs']:.3g})"
+        layer = f", layer {m['layer']} of the stack" if m.get("layer") is not None else ""
+        return (
+            f"{head}; it comes from the argument {m['argument']}{layer} "
+            f"(max |x| {m['max_abs']:.3g})"
+        )
     return f"{head}; it was made where the replay does not look (a loop's result, a constant)"
 
 
