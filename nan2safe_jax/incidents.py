@@ -490,16 +490,21 @@ def _downshift(
     A culprit whose input was already near overflow (``Report.magnitude``) made by an equation
     of another site: that site goes to SAFE too (alone, when the culprit is in no site), since
     any arithmetic on such a value overflows and SAFE at the culprit alone does not stop it
-    (newuser48: a router weight x1e38 blamed on the next LayerNorm)."""
+    (newuser48: a router weight x1e38 blamed on the next LayerNorm). One that comes from a
+    parameter of the state: a rollback alone, at the checkpoint's gears."""
+    huge = _huge_parameter(report)
+    if huge is not None:
+        # The rollback removes the cause; no site's gear would (newuser49: the whole model
+        # went to SAFE for an unsited culprit, and stayed at STABLE after, and the hint said
+        # to wrap gelu in a Site).
+        action = (
+            f"its near-overflow input comes from the parameter {huge}: a weight that large is "
+            "damage no gear undoes (a bad update): roll back to the newest finite checkpoint, "
+            "at its gears"
+        )
+        return Decision("located", report, None, True, action)
     site = report.site
     made = _origin_site(report, gs)
-    huge = _huge_parameter(report)
-    rolls = (
-        f"; its near-overflow input comes from the parameter {huge}: a weight that large is "
-        "damage no gear undoes (a bad update), roll back to the newest finite checkpoint"
-        if huge is not None
-        else ""
-    )
     hint = None
     made_in_safe = made is not None and bool(np.max(gear_lib.effective(ran, made)) >= Gear.SAFE)
     if site is None or site not in gs.sites:
@@ -526,9 +531,7 @@ def _downshift(
                 "culprit's own arithmetic"
             )
         kind = "repeat" if repeat else "located"
-        return Decision(
-            kind, report, new, repeat or huge is not None, action + rolls, enter, hint=hint
-        )
+        return Decision(kind, report, new, repeat, action, enter, hint=hint)
     index = None
     shape = gs.sites[site].shape
     iters = [p[1] for p in report.eqn_path if isinstance(p, tuple) and p[0] == "iter"]
@@ -552,15 +555,17 @@ def _downshift(
         action += f"; site {made}, which made its near-overflow input, -> SAFE too"
     if repeat:
         action = f"site {where} failed again in SAFE: roll back, {action}"
-    action += rolls
     enter = dict(site=site, steps=left, layer=index)
     if made is not None:  # the trainer logs a safe_enter of its own for it
         enter["also"] = dict(
             site=made, steps=int(np.max(np.asarray(new.safe_left[made]))), layer=None
         )
-    restore = repeat or huge is not None
+    origin = (report.magnitude or {}).get("origin")
+    if origin is not None and made is None and hint is None and origin.get("site") != site:
+        where_made = origin.get("user_source") or origin.get("source")
+        action += f"; its near-overflow input was made by `{origin['primitive']}` at {where_made}"
     kind = "repeat" if repeat else "located"
-    return Decision(kind, report, new, restore, action, enter, hint=hint)
+    return Decision(kind, report, new, repeat, action, enter, hint=hint)
 
 
 def _huge_parameter(report: Report) -> str | None:
@@ -572,8 +577,9 @@ def _huge_parameter(report: Report) -> str | None:
     arg = m.get("argument")
     if arg is None or not arg.startswith("[0].params"):
         return None
-    share = f"{m['origin_fraction']:.0%} of its range"
-    return f"{arg[len('[0].params') :]} (max |x| {m['max_abs']:.3g}, {share})"
+    share = f"{100 * m['origin_fraction']:.2g}% of its range"
+    layer = f", layer {m['layer']} of the stack" if m.get("layer") is not None else ""
+    return f"{arg[len('[0].params') :]} (max |x| {m['max_abs']:.3g}, {share}{layer})"
 
 
 def huge_state_leaf(report: Report) -> str | None:
@@ -585,15 +591,15 @@ def huge_state_leaf(report: Report) -> str | None:
 
 
 def holds_huge(state, keystr: str) -> bool:
-    """Whether ``state``'s leaf at ``keystr`` is still near overflow (``magnitude.NEAR`` of
-    its dtype's range): a checkpoint saved after the bad update (it is finite)."""
+    """Whether ``state``'s leaf at ``keystr`` is still huge (``magnitude.is_huge`` for an
+    argument): a checkpoint saved after the bad update (it is finite)."""
     from nan2safe_jax.replay import magnitude
 
     try:
         leaf = _leaf_at(state, keystr)
     except KeyError:
         return False
-    return magnitude.near_input([np.asarray(leaf)]) >= magnitude.NEAR
+    return magnitude.worth_walking([np.asarray(leaf)])
 
 
 def _origin_site(report: Report, gs: GearState) -> str | None:

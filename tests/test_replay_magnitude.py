@@ -125,10 +125,44 @@ def test_a_weight_near_the_range_is_named_as_the_argument_it_is():
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_an_ordinary_overflow_is_not_walked_back(dtype):
     """Inputs far from the range (a square of values at 0.5% of it): the culprit made the
-    overflow itself; no magnitude, no extra replay."""
-    x = jnp.full((2, 4), 0.005 * float(jnp.finfo(dtype).max), dtype)
+    overflow itself; no magnitude."""
+    top = float(jnp.finfo(dtype).max)
+    x = jnp.full((2, 4), 0.005 * top, dtype)
     r = replay.locate(jax.make_jaxpr(lambda x: _mean_sq(x * 1))(x), (x,))
     assert r is not None and r.magnitude is None and "near overflow" not in str(r)
+
+
+def _cast_matmul_then_square(params, x):
+    return _mean_sq(x @ params["w"].astype(x.dtype))  # a bf16 layer's f32 master weight
+
+
+@pytest.mark.parametrize(
+    "dtype, scale, named, fn",
+    [
+        (jnp.float32, 1e35, True, _matmul_then_square),
+        (jnp.bfloat16, 1e35, True, _matmul_then_square),
+        (jnp.bfloat16, 1e35, True, _cast_matmul_then_square),
+        (jnp.float16, 150.0, False, _matmul_then_square),
+    ],
+    ids=["float32", "bfloat16", "bfloat16-cast-f32-weight", "float16"],
+)
+def test_a_weight_past_any_healthy_value_is_named_in_a_wide_dtype(dtype, scale, named, fn):
+    """A weight at 1e35 (3e-4 of f32's and bf16's range: past anything training makes) read by
+    the matmul that made the near-overflow value is named as the argument it is; an fp16
+    weight of 150 (0.2% of fp16's range) is an ordinary one: the matmul is the origin."""
+    rng = np.random.default_rng(3)
+    w_dtype = jnp.float32 if fn is _cast_matmul_then_square else dtype
+    params = {"w": jnp.asarray(rng.normal(size=(4, 4)) * scale, w_dtype)}
+    lift = 100.0 if scale > 1e30 else 1.0  # x @ w near the range: 1e37 in f32, 1e3 in fp16
+    x = jnp.asarray((np.abs(rng.normal(size=(2, 4))) + 1.0) * lift, dtype)
+    r = replay.locate(jax.make_jaxpr(fn)(params, x), (params, x))
+    m = r.magnitude
+    assert m is not None, r
+    if named:
+        assert m["argument"] == "[0]['w']" and m["origin"] is None, m
+    else:
+        assert m["origin"]["primitive"] == "dot_general" and m["argument"] is None, m
+        assert m["origin_input"] == "[0]['w']", m  # the largest input it read, named
 
 
 def _exp_layer(c, w):
@@ -261,9 +295,10 @@ def test_an_unsited_culprits_decision_follows_the_maker_or_the_huge_parameter():
     assert d.enter["scope"] == "global"
     # A parameter as the origin: a rollback, whether the culprit is in a site or not.
     arg = "[0].params['lin']['kernel'].value"
-    for site in (None, "norm"):
+    for site in (None, "norm"):  # the rollback alone, at the checkpoint's gears, no hint
         d = incidents._downshift(_report(site, argument=arg), gs, gs, cfg)
         assert d.restore and d.kind == "located" and "['lin']['kernel']" in d.action, d.action
+        assert d.gear is None and d.enter is None and d.hint is None
     # The batch as the origin is no damage of the state.
     d = incidents._downshift(_report("norm", argument="[1]"), gs, gs, cfg)
     assert not d.restore and d.enter["site"] == "norm"

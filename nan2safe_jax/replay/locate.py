@@ -354,7 +354,7 @@ def _magnitude(sess: Session, leaves_with_path: list, found: Found) -> dict[str,
     the level it was found in (``replay.magnitude``); None otherwise (one replay more only when
     an input is near). Inside a ``shard_map`` body (values per shard) it is not walked back.
     """
-    if found.where is None or magnitude.near_input(found.invals) < magnitude.NEAR:
+    if found.where is None or not magnitude.worth_walking(found.invals):
         return None
     level, jaxpr, consts, args, ns, frames, base, k = found.where
     top = level == "top"
@@ -371,17 +371,26 @@ def _magnitude(sess: Session, leaves_with_path: list, found: Found) -> dict[str,
         "origin": None,
         "argument": None,
     }
+
+    def name(i: int) -> tuple[str, int | None]:
+        """The ``keystr`` of the level's argument ``i`` (and the layer of a stacked one)."""
+        if top:
+            return jax.tree_util.keystr(leaves_with_path[i][0]), None
+        stacked = _stacked_argument(leaves_with_path, args[i], base)
+        if stacked is not None:
+            return stacked
+        # an input of a loop body, a branch: the level's, not the program's
+        return f"input {i} of the body at {path_str(base)}", None
+
     if org.record is not None:
         it = items[org.record]
         out["origin"] = _ref(Found(it, (*base, *it.path), [], [])).to_dict()
-    elif org.argument is not None and top:
-        out["argument"] = jax.tree_util.keystr(leaves_with_path[org.argument][0])
-    elif org.argument is not None:  # an input of a loop body, a branch: the level's, not ours
-        stacked = _stacked_argument(leaves_with_path, args[org.argument], base)
-        if stacked is not None:
-            out["argument"], out["layer"] = stacked
-        else:
-            out["argument"] = f"input {org.argument} of the body at {path_str(base)}"
+        if org.input_argument is not None:
+            out["origin_input"] = name(org.input_argument)[0]
+    elif org.argument is not None:
+        out["argument"], layer = name(org.argument)
+        if layer is not None:
+            out["layer"] = layer
     return out
 
 

@@ -27,12 +27,38 @@ import numpy as np
 from nan2safe_jax.replay import interpret
 from nan2safe_jax.replay.search import structure
 
-__all__ = ["NEAR", "Origin", "near_input", "origin"]
+__all__ = ["ARGUMENT_NEAR", "NEAR", "Origin", "is_huge", "near_input", "origin", "worth_walking"]
 
 # A value at or above this fraction of its dtype's largest finite value is *near* overflow:
 # within a factor 100 of it, where a square, a sum of a few hundred terms or an ``exp`` of it
 # overflows. Ordinary activations are far below (fp16 attention logits of 30: 0.05%).
 NEAR = 1e-2
+# An argument of the program (a weight) at this fraction of a range as wide as f32's (bf16,
+# f32: past ~3e34) is past any value training makes: a walk that reaches it names it, not the
+# equation that read it (newuser49: a kernel x5e36, 0.6% of bf16's range, was named as its
+# matmul, SAFE there did not help, and the rollback came two incidents later). In a narrow
+# range (fp16: 6.5) it is an ordinary weight. Values the program makes are walked only from
+# ``NEAR``: gradients past 3e34 made from a weight x1e15 are the loss scale's and the hint's
+# business (the step's own sum of squares, ``incidents.in_step_bookkeeping``).
+ARGUMENT_NEAR = 1e-4
+_WIDE = 1e30
+
+
+# Equations that move or cast a value without computing on it: an argument read through them
+# is still that argument.
+_MOVES = frozenset(
+    {
+        "convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
+        "expand_dims", "slice", "dynamic_slice", "copy", "copy_p", "reduce_precision",
+    }
+)  # fmt: skip
+
+
+def is_huge(mag: float, top: float, argument: bool = False) -> bool:
+    """Whether ``mag`` is near overflow in a range whose largest finite value is ``top``:
+    ``NEAR`` of it, or, for an ``argument``, ``ARGUMENT_NEAR`` of a range as wide as f32's."""
+    frac = mag / top
+    return frac >= NEAR or (argument and top > _WIDE and frac >= ARGUMENT_NEAR)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +77,8 @@ class Origin:
         far from the range it started), None for an argument.
       steps: equations walked back from the culprit (those passing the value through unchanged
         not counted).
+      input_argument: for an origin equation, the program's argument its largest input is
+        (a learned scale an ``exp`` reads), or None.
     """
 
     record: int | None
@@ -59,6 +87,7 @@ class Origin:
     fraction: float
     inputs_max_abs: float | None
     steps: int
+    input_argument: int | None = None
 
 
 def _limit(dtype: Any) -> float:
@@ -84,7 +113,7 @@ def near_input(invals: list) -> float:
     """The largest ``max |x| / finfo.max`` over the finite float inputs of an equation (host
     values, in the dtypes the equation reads them in), values at exactly ``±finfo.max`` left
     out (a mask's ``finfo.min`` fill, as flax's attention writes it, is no near-overflow
-    value): ``origin`` walks back only when this is ``NEAR`` or more."""
+    value)."""
     best = 0.0
     for x in invals:
         a = np.asarray(x)
@@ -96,6 +125,22 @@ def near_input(invals: list) -> float:
         if mags.size:
             best = max(best, float(mags.max()) / top)
     return best
+
+
+def worth_walking(invals: list) -> bool:
+    """Whether an equation's inputs (host values, in the dtypes it reads them in) hold one
+    that may be ``is_huge`` (an argument's threshold: the walk tells arguments apart), values
+    at exactly ``±finfo.max`` left out (``near_input``): ``origin`` walks back only then."""
+    for x in invals:
+        a = np.asarray(x)
+        if not interpret.inexact(a) or a.size == 0 or a.dtype.kind == "c":
+            continue
+        top = _limit(a.dtype)
+        mags = np.abs(a.astype(np.float64))
+        mags = mags[np.isfinite(mags) & (mags < top)]
+        if mags.size and is_huge(float(mags.max()), top):
+            return True
+    return False
 
 
 def _max_abs(x: Any) -> Any:
@@ -157,7 +202,7 @@ def origin(
       items: the level's flat equations (``search.flatten``), one per record of the walk.
 
     Returns:
-      The ``Origin``, or None when no input of the culprit is ``NEAR`` its range (it made the
+      The ``Origin``, or None when no input of the culprit is huge (``is_huge``: it made the
       non-finite value from ordinary inputs) or the culprit is not in the walk's records.
     """
     known = sess.known(level, jaxpr, consts, args, ns)
@@ -187,26 +232,49 @@ def origin(
             producer.setdefault(v, k)
 
     def largest(k: int) -> tuple[int | None, float]:
-        """The input of record ``k`` nearest the range ``k`` reads it in, and how near."""
+        """The input of record ``k`` nearest the range ``k`` reads it in, and that range's
+        largest finite value."""
         ref, top = recs[k][1], _range_of(items[k].eqn)
         vs = sorted(ref[1]) if ref is not None else []
-        if not vs:
-            return None, 0.0
-        v = max(vs, key=lambda v: mags[v])
-        return v, float(mags[v]) / top
+        return (max(vs, key=lambda v: mags[v]) if vs else None), top
 
-    v, near = largest(culprit)
-    if v is None or near < NEAR:
+    def argument_of(v: int) -> int | None:
+        return next((i for i, r in enumerate(meta["args"]) if v in r), None)
+
+    def source_argument(v: int) -> int | None:
+        """The argument ``v`` is, through casts and moves of it (an f32 weight cast to a bf16
+        layer's dtype, sliced, transposed), or None."""
+        for _ in range(len(recs)):
+            k = producer.get(v)
+            if k is None:
+                return argument_of(v)
+            if items[k].eqn.primitive.name not in _MOVES:
+                return None
+            v = largest(k)[0]
+            if v is None:
+                return None
         return None
+
+    v, top = largest(culprit)
+    if v is None:
+        return None
+    if not is_huge(float(mags[v]), top):  # the culprit made it, unless it read a huge argument
+        arg = source_argument(v)
+        if arg is None or not is_huge(float(mags[v]), top, argument=True):
+            return None
+        return Origin(None, arg, float(mags[v]), float(mags[v]) / top, None, 0)
     steps = 0
     while True:
         k = producer.get(v)
         if k is None:  # an argument, or a value the walk saw no equation make
-            arg = next((i for i, r in enumerate(meta["args"]) if v in r), None)
-            return Origin(None, arg, float(mags[v]), near, None, steps)
+            return Origin(None, argument_of(v), float(mags[v]), float(mags[v]) / top, None, steps)
         steps += 1
-        u, near_u = largest(k)
-        if u is None or near_u < NEAR:
+        u, top_u = largest(k)
+        arg = None if u is None else source_argument(u)
+        if u is not None and arg is not None and is_huge(float(mags[u]), top_u, argument=True):
+            return Origin(None, arg, float(mags[u]), float(mags[u]) / top_u, None, steps)
+        if u is None or not is_huge(float(mags[u]), top_u):
             inputs = 0.0 if u is None else float(mags[u])
-            return Origin(k, None, float(mags[v]), near, inputs, steps)
-        v, near = u, near_u
+            frac = float(mags[v]) / top
+            return Origin(k, None, float(mags[v]), frac, inputs, steps, input_argument=arg)
+        v, top = u, top_u

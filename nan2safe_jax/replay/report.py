@@ -105,7 +105,8 @@ class Report:
         (an ``EqnRef`` dict: the first equation, walking back, whose inputs were far from their
         range) or ``argument`` (the ``keystr`` of the program's argument it is), with the
         ``max_abs`` and ``origin_fraction`` of the value made there and ``inputs_max_abs``, the
-        largest input of the origin equation; ``layer``: the slice of a stacked argument a
+        largest input of the origin equation, and ``origin_input`` the argument that input is
+        (a learned scale an ``exp`` reads); ``layer``: the slice of a stacked argument a
         scanned body's input is (a scanned layer's weight); else None.
     """
 
@@ -196,14 +197,16 @@ class Report:
 
 def magnitude_sentence(m: dict[str, Any]) -> str:
     """``Report.magnitude`` in words."""
-    head = f"its input was already at {m['fraction']:.0%} of its dtype's range"
+    head = f"its input was already at {100 * m['fraction']:.2g}% of its dtype's range"
     origin = m.get("origin")
     if origin is not None:
         where = origin.get("user_source") or origin.get("source") or "?"
         site = f" (site {origin['site']!r})" if origin.get("site") else ""
+        made = f" (the largest: {m['origin_input']})" if m.get("origin_input") else ""
         return (
             f"{head}, a value made by `{origin['primitive']}` at {where}{site} "
-            f"(max |x| {m['max_abs']:.3g}) from inputs no larger than {m['inputs_max_abs']:.3g}"
+            f"(max |x| {m['max_abs']:.3g}) from inputs no larger than "
+            f"{m['inputs_max_abs']:.3g}{made}"
         )
     if m.get("argument") is not None:
         layer = f", layer {m['layer']} of the stack" if m.get("layer") is not None else ""
