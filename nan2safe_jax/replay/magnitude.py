@@ -109,12 +109,11 @@ def _range_of(eqn: Any) -> float:
     return max(limits) if limits else float("inf")
 
 
-def near_input(invals: list) -> float:
-    """The largest ``max |x| / finfo.max`` over the finite float inputs of an equation (host
-    values, in the dtypes the equation reads them in), values at exactly ``±finfo.max`` left
-    out (a mask's ``finfo.min`` fill, as flax's attention writes it, is no near-overflow
-    value)."""
-    best = 0.0
+def _input_maxima(invals: list) -> list[tuple[float, float]]:
+    """``(max |x|, finfo.max)`` of each finite float input of an equation (host values, in the
+    dtypes the equation reads them in), values at exactly ``±finfo.max`` left out (a mask's
+    ``finfo.min`` fill, as flax's attention writes it, is no near-overflow value)."""
+    out = []
     for x in invals:
         a = np.asarray(x)
         if not interpret.inexact(a) or a.size == 0 or a.dtype.kind == "c":
@@ -123,24 +122,19 @@ def near_input(invals: list) -> float:
         mags = np.abs(a.astype(np.float64))
         mags = mags[np.isfinite(mags) & (mags < top)]
         if mags.size:
-            best = max(best, float(mags.max()) / top)
-    return best
+            out.append((float(mags.max()), top))
+    return out
+
+
+def near_input(invals: list) -> float:
+    """The largest ``max |x| / finfo.max`` over an equation's inputs (``_input_maxima``)."""
+    return max((m / top for m, top in _input_maxima(invals)), default=0.0)
 
 
 def worth_walking(invals: list) -> bool:
-    """Whether an equation's inputs (host values, in the dtypes it reads them in) hold one
-    that may be ``is_huge`` (an argument's threshold: the walk tells arguments apart), values
-    at exactly ``±finfo.max`` left out (``near_input``): ``origin`` walks back only then."""
-    for x in invals:
-        a = np.asarray(x)
-        if not interpret.inexact(a) or a.size == 0 or a.dtype.kind == "c":
-            continue
-        top = _limit(a.dtype)
-        mags = np.abs(a.astype(np.float64))
-        mags = mags[np.isfinite(mags) & (mags < top)]
-        if mags.size and is_huge(float(mags.max()), top):
-            return True
-    return False
+    """Whether an equation's inputs (``_input_maxima``) hold one that may be ``is_huge`` (at an
+    argument's threshold: the walk tells arguments apart): ``origin`` walks back only then."""
+    return any(is_huge(m, top, argument=True) for m, top in _input_maxima(invals))
 
 
 def _max_abs(x: Any) -> Any:
