@@ -42,6 +42,7 @@ from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear, GearState
 from nan2safe_jax.numerics import _is_key, first_nonfinite
 from nan2safe_jax.replay import _jax_compat as jc
+from nan2safe_jax.replay import magnitude
 from nan2safe_jax.replay.locate import locate_replayed
 from nan2safe_jax.replay.nearest import nearest_site
 from nan2safe_jax.replay.report import Report, array_stats, channel_scan
@@ -593,8 +594,6 @@ def huge_state_leaf(report: Report) -> str | None:
 def holds_huge(state, keystr: str) -> bool:
     """Whether ``state``'s leaf at ``keystr`` is still huge (``magnitude.is_huge`` for an
     argument): a checkpoint saved after the bad update (it is finite)."""
-    from nan2safe_jax.replay import magnitude
-
     try:
         leaf = _leaf_at(state, keystr)
     except KeyError:
