@@ -213,7 +213,11 @@ class _Two(nnx.Module):
         return self.norm(self.lin(x))
 
 
-def test_the_site_that_made_the_near_overflow_input_goes_to_safe_with_the_culprits():
+def test_the_site_that_made_the_near_overflow_input_goes_to_safe_with_the_culprits(
+    tmp_path, monkeypatch
+):
+    """The decision puts both sites in SAFE; the Trainer logs a ``safe_enter`` for each, the
+    second with ``cause: "magnitude origin"``, and runs on with both at SAFE."""
     model = _Two(rngs=nnx.Rngs(0))
     model.lin.kernel[...] = jnp.full((4, 4), 3e34, jnp.float32)  # 1e-4 of the range
     state = nan2safe.TrainState.create(model, optax.sgd(1e-3))
@@ -233,6 +237,23 @@ def test_the_site_that_made_the_near_overflow_input_goes_to_safe_with_the_culpri
     assert int(np.max(np.asarray(new.sites["lin"]))) == Gear.SAFE
     assert decision.enter["site"] == "norm" and decision.enter["also"]["site"] == "lin"
     assert "site lin, which made its near-overflow input" in decision.action
+
+    # The Trainer, given this decision for the same failing step (its replay is the one above).
+    monkeypatch.setattr(incidents, "decide", lambda *a, **k: decision)
+    cfg = Config(checkpoint_every=5, safe_max_steps=3, recovery_window=8, min_history=8)
+    with nan2safe.Trainer(
+        model, optax.sgd(1e-3), lambda m, b: jnp.mean(m(b) ** 2), cfg, tmp_path
+    ) as tr:
+        tr.fit([x], steps=1)
+        ev = tr.events
+        gear = tr.state.gear
+    enters = [e for e in ev if e["type"] == "safe_enter"]
+    assert [(e["site"], e.get("cause")) for e in enters] == [
+        ("norm", None),
+        ("lin", "magnitude origin"),
+    ], enters
+    assert enters[1]["steps"] == decision.enter["also"]["steps"] and enters[1]["step"] == 0
+    assert [int(np.max(np.asarray(gear.sites[s]))) for s in ("norm", "lin")] == [Gear.SAFE] * 2
 
 
 def test_a_weight_a_bad_update_made_huge_is_rolled_back_at_the_first_incident(tmp_path):
