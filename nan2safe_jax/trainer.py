@@ -781,11 +781,11 @@ class Trainer:
             self._checkpoint_due = True
             if on_time and not state_is_finite(state):
                 self.log.append("error", done.step + 1, detail="state not finite")
-                restart = self._damaged(done, state) or restart
+                restart = self._damaged(done, state, m) or restart
         elif on_time or self._checkpoint_due:
             self._checkpoint_due = False
             if not self._checkpoint(done.step + 1, state):
-                restart = self._damaged(done, state) or restart
+                restart = self._damaged(done, state, m) or restart
         return restart
 
     def _hold_ring(self) -> None:
@@ -818,10 +818,11 @@ class Trainer:
         self.log.append("error", step, detail="state not finite: no checkpoint")
         return False
 
-    def _damaged(self, done: _Step, state) -> _Restart | None:
+    def _damaged(self, done: _Step, state, m: dict) -> _Restart | None:
         """The state step ``done`` left is not finite although the step raised no incident
         (a value no check of the step reads, e.g. an optimizer's moment): it is never trained
-        on. Rolls back to the newest finite checkpoint (None, logged, when there is none)."""
+        on. Rolls back to the newest finite checkpoint (None, logged, when there is none);
+        ``m``: the step's metrics, as in ``_stop_past_max_incidents``."""
         local = state if self.rules is None else sharding_lib.to_local(state)
         report = incidents.damaged_report(local)
         decision = incidents.Decision(
@@ -832,10 +833,10 @@ class Trainer:
         )
         self.log.append("damaged", done.step, report=report.to_dict(), action=decision.action)
         self.incidents += 1  # bounded like any incident: damage that never stops ends the run
-        self._stop_past_max_incidents(done.step, decision)
+        self._stop_past_max_incidents(done.step, decision, m)
         return self._rollback(done, decision)
 
-    def _stop_past_max_incidents(self, step_no: int, decision) -> None:
+    def _stop_past_max_incidents(self, step_no: int, decision, m: dict) -> None:
         """Raises ``NanIncidentError`` (logged) once ``incidents`` passes ``max_incidents``, or
         once more than ``max_incidents`` batches in a row were polluted input: each of those is
         skipped and not counted as an incident, but a data pipeline that yields nothing usable
@@ -846,6 +847,13 @@ class Trainer:
         steps kept failing on is never trained on by a ``fit`` after the error (the one before
         each located step is in the workdir's ``incidents/``). Stopped for polluted input, the
         state stays: the data was at fault, not the state.
+
+        Args:
+          step_no: the failed step.
+          decision: its tier-2 decision (its report goes into the error).
+          m: the step's metrics, written to ``metrics.jsonl`` after this: a stop that leaves
+            the trainer on a checkpoint sets ``next_gear`` to the checkpoint's level (the gear
+            the failed step chose never takes effect), as a rollback does.
         """
         limit = self.cfg.max_incidents
         if self.incidents > limit:
@@ -870,6 +878,7 @@ class Trainer:
             self.ring = collections.deque(
                 [(s, b) for s, b in self.ring if s < ckpt], maxlen=self.ring.maxlen
             )
+            m["next_gear"] = int(self.state.gear.level)
             self.log.append("stop_restore", step_no, to_step=ckpt, **extra)
             why += f"; the trainer is left on checkpoint {ckpt}"
         hint = "" if decision.hint is None else f"\n{decision.hint}"
@@ -1029,7 +1038,7 @@ class Trainer:
             log.info("step %d: %s\n%s", done.step, decision.action, report)
         else:  # damaged
             self.log.append("damaged", done.step, report=rd, action=decision.action)
-        self._stop_past_max_incidents(done.step, decision)
+        self._stop_past_max_incidents(done.step, decision, m)
         if decision.restore and decision.kind == "repeat" and done.replayed:
             # The same batch fails in SAFE again on the replay after a rollback: the batch, not
             # the state, is at fault. Another rollback would loop; its step stays skipped.

@@ -727,6 +727,10 @@ def test_a_checkpoint_every_step_refuses_is_passed_over_for_the_one_before(tmp_p
         tr.fit(batches[4:], steps=6)
     assert tr.step == 0 and tr.events[-1]["type"] == "stop_restore", tr.events[-1]
     assert tr.events[-1]["passed_over"] == [4]
+    # the failed step's metrics line: the gear the trainer was left at, not the one it chose
+    last = read_metrics(tmp_path / "stop")[-1]
+    assert last["incident"], last
+    assert last["next_gear"] == int(tr.state.gear.level) == Gear.FAST, last
     jax.tree_util.tree_map(
         np.testing.assert_array_equal, jax.tree_util.tree_map(np.asarray, tr.state.params), good
     )
