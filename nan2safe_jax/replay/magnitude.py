@@ -9,10 +9,11 @@ inputs are all far from their range (the *origin*: an ``exp``, a matmul by a wei
 large), or at an argument of the program (a parameter made huge by a bad update).
 
 How: one replay of the level's prefix up to the culprit in ``"flags"`` mode
-(``interpret.py``), returning ``max |x|`` of every float value it registers, O(#values) scalars
-over the step's own live set. Values an equation passes through unchanged (a reshape, a copy)
-share their input's entry, so the walk moves over them. A loop instrumented in place is not
-entered: a large value that comes out of a loop names the loop.
+(``interpret.py``), returning ``max |x|`` of every float value the walk can reach from the
+culprit's inputs (its backward slice: the rest of the prefix is not computed), O(#values)
+scalars over the step's own live set. Values an equation passes through unchanged (a
+reshape, a copy) share their input's entry, so the walk moves over them. A loop instrumented
+in place is not entered: a large value that comes out of a loop names the loop.
 """
 
 from __future__ import annotations
@@ -165,13 +166,49 @@ def _trace(
         except interpret.Stop:
             pass
         # (a loop instrumented in place holds its traced flags where a record holds inputs)
-        meta["recs"] = [(r[0], None if r[0] == "given" else r[1], r[2]) for r in ctx.recs]
+        recs = [(r[0], None if r[0] == "given" else r[1], r[2]) for r in ctx.recs]
+        meta["recs"] = recs
         meta["args"] = [r[1] for r in arg_refs]
         if not ctx.vals:
             return jnp.zeros((0,), jnp.float32)
-        return jnp.stack([_max_abs(v) for v in ctx.vals])
+        # Only the values the walk can reach (``_cone``) are reduced; the rest of the level,
+        # whose results nothing returns, is left for XLA to drop.
+        cone = _cone(recs, stop - 1)
+        zero = jnp.zeros((), jnp.float32)
+        return jnp.stack([_max_abs(v) if i in cone else zero for i, v in enumerate(ctx.vals)])
 
     return fn
+
+
+def _producers(recs: list, culprit: int) -> dict[int, int]:
+    """``{value index: record that made it}`` over the records before ``culprit`` (a value an
+    equation passes through unchanged shares its input's index: its maker is the input's)."""
+    producer: dict[int, int] = {}
+    for k, (kind, in_ref, out_ref) in enumerate(recs[:culprit]):
+        if kind == "given" or out_ref is None:
+            continue
+        for v in out_ref[1] - (in_ref[1] if in_ref is not None else frozenset()):
+            producer.setdefault(v, k)
+    return producer
+
+
+def _cone(recs: list, culprit: int) -> set[int]:
+    """The value indices ``origin``'s walk can read: the culprit's inputs and, transitively,
+    the inputs of the records that made them (a backward slice of the level)."""
+    if culprit >= len(recs) or recs[culprit][1] is None:
+        return set()
+    producer = _producers(recs, culprit)
+    cone: set[int] = set()
+    todo = list(recs[culprit][1][1])
+    while todo:
+        v = todo.pop()
+        if v in cone:
+            continue
+        cone.add(v)
+        k = producer.get(v)
+        if k is not None and recs[k][1] is not None:
+            todo.extend(recs[k][1][1])
+    return cone
 
 
 def origin(
@@ -218,12 +255,7 @@ def origin(
         return None
     if len(recs) > len(items):  # pragma: no cover - the walk and ``flatten`` disagree
         return None
-    producer: dict[int, int] = {}
-    for k, (kind, in_ref, out_ref) in enumerate(recs[:culprit]):
-        if kind == "given" or out_ref is None:
-            continue
-        for v in out_ref[1] - (in_ref[1] if in_ref is not None else frozenset()):
-            producer.setdefault(v, k)
+    producer = _producers(recs, culprit)
 
     def largest(k: int) -> tuple[int | None, float]:
         """The input of record ``k`` nearest the range ``k`` reads it in, and that range's
