@@ -583,22 +583,36 @@ def _huge_parameter(report: Report) -> str | None:
     return f"{arg[len('[0].params') :]} (max |x| {m['max_abs']:.3g}, {share}{layer})"
 
 
-def huge_state_leaf(report: Report) -> str | None:
-    """The ``keystr`` in the train state of the parameter ``report``'s near-overflow input
-    comes from (``_huge_parameter``), or None: what a rollback must not restore again."""
+def huge_state_leaf(report: Report) -> tuple[str, float] | None:
+    """What a rollback must not restore again: the ``keystr`` in the train state of the
+    parameter ``report``'s near-overflow input comes from (``_huge_parameter``), and the
+    largest finite value of the range the walk measured it in (the dtype the step reads it
+    in: an f32 master weight cast to fp16 is measured in fp16's); None when there is none."""
     if _huge_parameter(report) is None:
         return None
-    return report.magnitude["argument"][len("[0]") :]
+    m = report.magnitude
+    top = m["max_abs"] / m["origin_fraction"] if m["origin_fraction"] > 0 else float("inf")
+    return m["argument"][len("[0]") :], top
 
 
-def holds_huge(state, keystr: str) -> bool:
-    """Whether ``state``'s leaf at ``keystr`` is still huge (``magnitude.is_huge`` for an
-    argument): a checkpoint saved after the bad update (it is finite)."""
+def holds_huge(state, keystr: str, top: float) -> bool:
+    """Whether ``state``'s leaf at ``keystr`` is still huge in the range whose largest finite
+    value is ``top`` (``huge_state_leaf``; ``magnitude.is_huge`` for an argument): a checkpoint
+    saved after the bad update (it is finite). Measured on the device, by one reduction whose
+    result every process reads alike (a leaf sharded across processes cannot be read on one
+    host)."""
     try:
         leaf = _leaf_at(state, keystr)
     except KeyError:
         return False
-    return magnitude.worth_walking([np.asarray(leaf)])
+    sharding = getattr(leaf, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None:
+        biggest = jax.jit(magnitude.max_abs)(leaf)
+    else:
+        whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        biggest = jax.jit(magnitude.max_abs, out_shardings=whole)(leaf)
+    return magnitude.is_huge(float(biggest), top, argument=True)
 
 
 def _origin_site(report: Report, gs: GearState) -> str | None:

@@ -106,6 +106,15 @@ class _Step:
     replayed: bool  # a batch replayed after a rollback
 
 
+def _refusing(huge: tuple[str, float] | None):
+    """``Trainer._restore_newest``'s ``refuse`` for a rollback from a parameter made huge
+    (``incidents.huge_state_leaf``): a checkpoint that still holds it; None for no refusal."""
+    if huge is None:
+        return None
+    keystr, top = huge
+    return lambda state: incidents.holds_huge(state, keystr, top)
+
+
 def _compile_cache(setting, workdir: Path) -> Path | None:
     """``Trainer(compile_cache=...)``: the cache directory in use (None: JAX's cache is off)."""
     if setting is False:
@@ -298,7 +307,8 @@ class Trainer:
         self._scale_matters: dict = {}  # ``_loss_scale_matters``, per program and batch dtypes
         self.rollbacks = 0
         self._checkpoint_due = False  # a checkpoint waiting past skipped steps (``_finish``)
-        self._damaged_from: int | None = None  # checkpoint of the last "damaged" rollback
+        # (cause, checkpoint) of the last rollback for damage or a huge weight (its keystr)
+        self._rolled_back_for: tuple[str, int] | None = None
         # (checkpoint, ``incidents`` then) of the last restore, until a step applies on it
         # (``_passed_over``)
         self._restored: tuple[int, int] | None = None
@@ -868,7 +878,9 @@ class Trainer:
         found = None
         if self.incidents > limit:
             try:
-                found = self._restore_newest(step_no)
+                found = self._restore_newest(
+                    step_no, _refusing(incidents.huge_state_leaf(decision.report))
+                )
             except Exception as err:  # noqa: BLE001 - a failed restore must not hide the stop
                 self.log.append("error", step_no, detail=f"no restore at the stop: {err!r}")
         if found is not None:
@@ -1070,8 +1082,7 @@ class Trainer:
         """
         self._beat()
         huge = incidents.huge_state_leaf(decision.report)
-        refuse = None if huge is None else lambda state: incidents.holds_huge(state, huge)
-        found = self._restore_newest(done.step, refuse)
+        found = self._restore_newest(done.step, _refusing(huge))
         if found is None:
             self.log.append("error", done.step, detail="no finite checkpoint to roll back to")
             return None
@@ -1086,14 +1097,16 @@ class Trainer:
         kept = [(s, b) for s, b in self.ring if s < ckpt]
         self.ring = collections.deque(kept, maxlen=self.ring.maxlen)
         self.rollbacks += 1
-        if decision.kind == "damaged":
-            if self._damaged_from == ckpt:
-                # The replay after the last rollback to this checkpoint damaged the state
-                # again: one of its batches does it, and no check names which. Another replay
-                # would loop; those batches are dropped instead.
+        cause = "damaged" if decision.kind == "damaged" else huge and huge[0]
+        if cause:
+            if self._rolled_back_for == (cause, ckpt):
+                # The replay after the last rollback to this checkpoint damaged the state, or
+                # made the same weight huge, again: one of its batches does it (a bad update
+                # replays as it ran), and no check names which. Another replay would loop;
+                # those batches are dropped instead.
                 extra["dropped"] = [s for s, _ in replay]
                 replay = []
-            self._damaged_from = ckpt
+            self._rolled_back_for = (cause, ckpt)
         self.log.append(
             "rollback",
             done.step,

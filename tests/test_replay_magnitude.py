@@ -323,3 +323,95 @@ def test_an_unsited_culprits_decision_follows_the_maker_or_the_huge_parameter():
     # The batch as the origin is no damage of the state.
     d = incidents._downshift(_report("norm", argument="[1]"), gs, gs, cfg)
     assert not d.restore and d.enter["site"] == "norm"
+
+
+class _Fp16Square(nnx.Module):
+    """An fp16 Linear whose output is squared; ``t``'s gradient is the batch's second leaf
+    (the trigger of ``_kernel_made_huge``)."""
+
+    def __init__(self, *, rngs):
+        self.lin = nn.Linear(4, 4, dtype=jnp.float16, param_dtype=jnp.float16, rngs=rngs)
+        self.t = nnx.Param(jnp.zeros((), jnp.float32))
+
+    def __call__(self, x):
+        h = self.lin(x.astype(jnp.float16))
+        return (h * h).astype(jnp.float32)
+
+
+def _kernel_made_huge():
+    """An optimizer's last stage with a bug: when ``t`` moves (a batch whose second leaf is
+    1), it adds 5e3 to ``lin``'s fp16 kernel (8% of fp16's range; an update far below the
+    step's own limit on update norms). A replay of that batch makes the weight again."""
+
+    def update(updates, state, params=None):
+        del params
+        bad = jnp.abs(updates["t"][...]) > 1e-4
+        kernel = updates["lin"]["kernel"]
+        kernel[...] = kernel[...] + jnp.where(bad, 5e3, 0.0).astype(kernel[...].dtype)
+        return updates, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def test_a_bad_update_the_replay_makes_again_drops_the_replayed_batches_the_second_time(tmp_path):
+    """Batch 6 makes ``lin``'s kernel huge (an optimizer bug); step 7's square overflows on
+    it. The first rollback, to checkpoint 5, replays batches 5-7 and batch 6 makes the weight
+    again; the second rollback to checkpoint 5 for the same weight drops the replayed batches
+    (as a second "damaged" rollback does) and the run goes on. Before, each rollback replayed
+    them, until ``max_incidents``."""
+    rng = np.random.default_rng(1)
+    batches = [(jnp.asarray(rng.normal(size=(4, 4)), jnp.float32), 0.0) for _ in range(10)]
+    batches[6] = (batches[6][0], 1.0)
+    cfg = Config(checkpoint_every=5, safe_max_steps=3, recovery_window=8, min_history=8)
+    loss = lambda m, b: jnp.mean(m(b[0])) + b[1] * m.t[...]  # noqa: E731
+    tx = optax.chain(optax.sgd(1e-3), _kernel_made_huge())
+    with nan2safe.Trainer(_Fp16Square(rngs=nnx.Rngs(0)), tx, loss, cfg, tmp_path) as tr:
+        hist = tr.fit(batches, steps=10)
+        ev = tr.events
+    rb = [e for e in ev if e["type"] == "rollback"]
+    assert [(e["step"], e["to_step"]) for e in rb] == [(7, 5), (7, 5)], [e["type"] for e in ev]
+    assert "dropped" not in rb[0] and rb[1]["dropped"] == [5, 6, 7], rb
+    arg = "[0].params['lin']['kernel'].value"
+    locs = [e for e in ev if e["type"] == "locate"]
+    assert [e["report"]["magnitude"]["argument"] for e in locs] == [arg, arg], locs
+    assert tr.incidents == 2 and tr.step == 7  # batches 8 and 9 trained as steps 5 and 6
+    assert all(np.isfinite(h["loss"]) for h in hist[-2:])
+    assert float(jnp.abs(tr.state.params["lin"]["kernel"][...]).max()) < 10
+
+
+def test_cone_is_the_backward_slice_of_the_culprits_inputs():
+    """``magnitude._cone`` against the slice written out: value 1 is made from 0, value 3 from
+    2, value 4 from 1; the culprit (record 3) reads 4: the walk can reach 4, 1 and 0, never 2
+    or 3. A record that passes a value through (its output shares the input's index) makes
+    nothing."""
+    ref = lambda *v: (0, frozenset(v))  # noqa: E731
+    recs = [
+        ("eqn", ref(0), ref(1)),
+        ("eqn", ref(2), ref(3)),
+        ("eqn", ref(1), ref(4)),
+        ("eqn", ref(4), ref(5)),
+    ]
+    assert magnitude._cone(recs, 3) == {0, 1, 4}
+    assert magnitude._cone(recs, 1) == {2}
+    passing = [("eqn", ref(0), ref(0)), ("eqn", ref(0, 1), ref(2))]
+    assert magnitude._cone(passing, 1) == {0, 1}
+    assert magnitude._cone([("given", None, ref(0))], 0) == set()
+
+
+def test_holds_huge_measures_the_leaf_in_the_range_the_walk_named_it_in():
+    """An f32 master weight of 1e3 read through a cast to fp16 is near fp16's range (1.5%): a
+    checkpoint holding it is refused; in f32's range it is no damage. A mask fill at exactly
+    ``finfo.max`` is not counted; a path the state lacks holds nothing."""
+    state = {"params": {"w": jnp.full((3,), 1e3, jnp.float32)}}
+    fp16, f32 = float(np.finfo(np.float16).max), float(np.finfo(np.float32).max)
+    assert incidents.holds_huge(state, "['params']['w']", fp16)
+    assert not incidents.holds_huge(state, "['params']['w']", f32)
+    fill = {"params": {"w": jnp.full((3,), f32, jnp.float32)}}
+    assert not incidents.holds_huge(fill, "['params']['w']", f32)
+    assert incidents.holds_huge({"params": {"w": jnp.full((3,), 1e35)}}, "['params']['w']", f32)
+    assert not incidents.holds_huge(state, "['params']['v']", fp16)
+    arg = "[0].params['lin']['kernel'].value"
+    keystr, top = incidents.huge_state_leaf(_report("norm", argument=arg))
+    assert keystr == ".params['lin']['kernel'].value"
+    np.testing.assert_allclose(top, 1e37 / 0.03)  # max_abs / origin_fraction
+    assert incidents.huge_state_leaf(_report("norm", origin_site="lin")) is None

@@ -28,7 +28,9 @@ import numpy as np
 from nan2safe_jax.replay import interpret
 from nan2safe_jax.replay.search import structure
 
-__all__ = ["ARGUMENT_NEAR", "NEAR", "Origin", "is_huge", "near_input", "origin", "worth_walking"]
+__all__ = [
+    "ARGUMENT_NEAR", "NEAR", "Origin", "is_huge", "max_abs", "near_input", "origin", "worth_walking"
+]  # fmt: skip
 
 # A value at or above this fraction of its dtype's largest finite value is *near* overflow:
 # within a factor 100 of it, where a square, a sum of a few hundred terms or an ``exp`` of it
@@ -138,7 +140,7 @@ def worth_walking(invals: list) -> bool:
     return any(is_huge(m, top, argument=True) for m, top in _input_maxima(invals))
 
 
-def _max_abs(x: Any) -> Any:
+def max_abs(x: Any) -> Any:
     """``max |x|`` in f32, the values at exactly ``±finfo.max`` (fills) and non-finite ones
     left out (see ``near_input``)."""
     if jnp.iscomplexobj(x):
@@ -175,7 +177,7 @@ def _trace(
         # whose results nothing returns, is left for XLA to drop.
         cone = _cone(recs, stop - 1)
         zero = jnp.zeros((), jnp.float32)
-        return jnp.stack([_max_abs(v) if i in cone else zero for i, v in enumerate(ctx.vals)])
+        return jnp.stack([max_abs(v) if i in cone else zero for i, v in enumerate(ctx.vals)])
 
     return fn
 
