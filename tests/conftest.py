@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 # Test runs are short: the step's second program compiles when first needed, not in a
@@ -31,9 +33,35 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # programs at -O0, so a test that compares bits with flax compiles at XLA's default level
 # (``tiny_models.jit_llvm_default``). Subprocesses inherit it; an explicit level in XLA_FLAGS
 # is left alone.
+#
+# XLA:CPU's older (non-MLIR) fusion emitters too, where this jaxlib has the flag: they compile
+# the suite's programs in about half the time (a Trainer tier-2 test alone: its replays 5.0 s
+# -> 2.6 s of compiling, its train step 1.8 s -> 0.6 s, the test 10.8 s -> 6.7 s; 2026-12-07).
+# A fused kernel is generated differently, so the last bit of a result can move between two
+# differently fused programs: the tests that compare bits with flax compile with the default
+# emitters (``tiny_models.BITS_OPTIONS``). XLA aborts on a flag it does not know, so a
+# subprocess tries it first, once per run; the workers and the tests' subprocesses inherit the
+# answer (``NAN2SAFE_TEST_XLA_FLAGS``, ``tiny_models.LLVM_O0``).
+_OLD_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_accepts(flag: str) -> bool:
+    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+    probe = [sys.executable, "-c", "import jax; jax.devices()"]
+    try:
+        return subprocess.run(probe, env=env, capture_output=True, timeout=300).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+if "NAN2SAFE_TEST_XLA_FLAGS" not in os.environ:
+    _suite = "--xla_backend_optimization_level=0"
+    if _xla_accepts(_OLD_EMITTERS):
+        _suite += f" {_OLD_EMITTERS}"
+    os.environ["NAN2SAFE_TEST_XLA_FLAGS"] = _suite
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     _flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = f"{_flags} --xla_backend_optimization_level=0".strip()
+    os.environ["XLA_FLAGS"] = f"{_flags} {os.environ['NAN2SAFE_TEST_XLA_FLAGS']}".strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tiny_models import set_fast_only
+from tiny_models import jit_bits, set_fast_only
 
 from nan2safe_jax import nn
 
@@ -78,8 +78,8 @@ def _compare(ours, theirs, args, dt, call=lambda m, *a: m(*a), flax_jit=True):
     attention does not compile under ``jit`` on CPU (eagerly JAX falls back to the default).
     """
     _params_equal(ours, theirs)
-    tjit = nnx.jit if flax_jit else (lambda f: f)
-    fo = nnx.jit(call)(ours, *args)
+    tjit = jit_bits if flax_jit else (lambda f: f)
+    fo = jit_bits(call)(ours, *args)
     ft = tjit(call)(theirs, *args)
     _same(fo, ft)
 
@@ -90,7 +90,7 @@ def _compare(ours, theirs, args, dt, call=lambda m, *a: m(*a), flax_jit=True):
     argnums = nnx.DiffState(0, nnx.Param)
     floats = jnp.issubdtype(args[0].dtype, jnp.floating)
     gfun = nnx.grad(loss, argnums=(argnums, 1) if floats else argnums)
-    go, gt = nnx.jit(gfun)(ours, *args), tjit(gfun)(theirs, *args)
+    go, gt = jit_bits(gfun)(ours, *args), tjit(gfun)(theirs, *args)
     lo, lt = jax.tree.leaves(go), jax.tree.leaves(gt)
     assert len(lo) == len(lt)
     floor = _noise_floor(lt, dt)

@@ -740,8 +740,10 @@ def test_a_traced_gear_out_of_range_is_clamped_in_the_backward_too(gear):
     clamped = min(max(gear, 0), 2)
     want = jax.grad(f, argnums=(0, 1))(x, w, clamped)  # a concrete gear: that branch alone
     got = jax.jit(jax.grad(f, argnums=(0, 1)))(x, w, jnp.int32(gear))
+    # (w's gradient is 0 in exact arithmetic, a LayerNorm ignoring its input's scale: what is
+    # left, ~1e-5, is rounding, which moves with how XLA fuses the two programs; x's is ~1)
     for a, b in zip(got, want, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def _primitives(jaxpr) -> set[str]:

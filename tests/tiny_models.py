@@ -25,10 +25,36 @@ D = 16
 # subprocess with XLA_FLAGS of its own adds it there). The last bits of a result can move with
 # it (a converted model's FAST forward stops matching flax's bit for bit), so a test that
 # compares bits with flax compiles at XLA's default level (3), as a user's program is compiled.
-LLVM_O0 = "--xla_backend_optimization_level=0"
-jit_llvm_default = functools.partial(
-    jax.jit, compiler_options={"xla_backend_optimization_level": 3}
+# With them, where this jaxlib knows the flag, the older fusion emitters (tests/conftest.py);
+# ``BITS_OPTIONS`` compiles with the default ones again.
+LLVM_O0 = os.environ.get("NAN2SAFE_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
+DEFAULT_EMITTERS = (
+    {"xla_cpu_use_fusion_emitters": True} if "fusion_emitters=false" in LLVM_O0 else {}
 )
+BITS_OPTIONS = {"xla_backend_optimization_level": 3, **DEFAULT_EMITTERS}
+jit_llvm_default = functools.partial(jax.jit, compiler_options=BITS_OPTIONS)
+
+
+def jit_bits(fn):
+    """``nnx.jit(fn)`` for ``fn(module, *arrays)``, compiled with XLA's default fusion emitters
+    (``DEFAULT_EMITTERS``; ``nnx.jit`` takes no ``compiler_options``): for a comparison of bits
+    with flax at the suite's LLVM level. The module's state after the call is written back, as
+    ``nnx.jit`` does."""
+    if not DEFAULT_EMITTERS:
+        return nnx.jit(fn)
+
+    def run(module, *args):
+        graphdef, state = nnx.split(module)
+
+        def pure(state, *args):
+            m = nnx.merge(graphdef, state)
+            return fn(m, *args), nnx.state(m)
+
+        out, new = jax.jit(pure, compiler_options=DEFAULT_EMITTERS)(state, *args)
+        nnx.update(module, new)
+        return out
+
+    return run
 
 
 def run_on_devices(script: str, devices: int, *args: str, timeout: int = 600) -> dict:
