@@ -307,8 +307,9 @@ class Trainer:
         self._scale_matters: dict = {}  # ``_loss_scale_matters``, per program and batch dtypes
         self.rollbacks = 0
         self._checkpoint_due = False  # a checkpoint waiting past skipped steps (``_finish``)
-        # (cause, checkpoint) of the last rollback for damage or a huge weight (its keystr)
-        self._rolled_back_for: tuple[str, int] | None = None
+        # (cause, checkpoint, whether it dropped the replay) of the last rollback for damage or
+        # a huge weight (its keystr)
+        self._rolled_back_for: tuple[str, int, bool] | None = None
         # (checkpoint, ``incidents`` then) of the last restore, until a step applies on it
         # (``_passed_over``)
         self._restored: tuple[int, int] | None = None
@@ -1099,14 +1100,18 @@ class Trainer:
         self.rollbacks += 1
         cause = "damaged" if decision.kind == "damaged" else huge and huge[0]
         if cause:
-            if self._rolled_back_for == (cause, ckpt):
+            last = self._rolled_back_for
+            again = last is not None and last[:2] == (cause, ckpt)
+            if again and last[2]:
+                self._stop_where_batches_do_not_matter(done, decision, state, ckpt, extra)
+            if again:
                 # The replay after the last rollback to this checkpoint damaged the state, or
                 # made the same weight huge, again: one of its batches does it (a bad update
                 # replays as it ran), and no check names which. Another replay would loop;
                 # those batches are dropped instead.
                 extra["dropped"] = [s for s, _ in replay]
                 replay = []
-            self._rolled_back_for = (cause, ckpt)
+            self._rolled_back_for = (cause, ckpt, again)
         self.log.append(
             "rollback",
             done.step,
@@ -1119,6 +1124,27 @@ class Trainer:
             **extra,
         )
         return _Restart(state, [(b, True) for _, b in replay], rolled_back=True)
+
+    def _stop_where_batches_do_not_matter(self, done: _Step, decision, state, ckpt, extra):
+        """The fault came back after the batches replayed into it were dropped (``_rollback``):
+        it follows the step count, not the data (a learning-rate schedule, or any function of
+        the optimizer's step, replays as it ran), and another rollback would drop the new
+        batches too, training nothing (newuser50: ``fit`` returned after 27 of 60 steps).
+        Stops, on the restored checkpoint, with ``NanIncidentError``."""
+        self.state, self.step = state, int(ckpt)
+        self._checkpoint_due = False
+        detail = (
+            f"step {done.step} failed again after the batches replayed into it were dropped: "
+            "the fault follows the step count, not the data (a learning-rate schedule, or "
+            "anything else the optimizer's step count drives, replays as it ran after a "
+            "rollback)"
+        )
+        self.log.append("error", done.step, detail=detail)
+        self.log.append("stop_restore", done.step, to_step=int(ckpt), **extra)
+        raise NanIncidentError(
+            f"{detail}; the trainer is left on checkpoint {ckpt}; last report:\n{decision.report}",
+            decision.report,
+        )
 
     def _passed_over(self) -> list[int]:
         """The checkpoint a restore now passes over: the one the last rollback (or stop)

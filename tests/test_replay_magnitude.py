@@ -7,6 +7,8 @@ which inputs), and NumPy's ``max |x|`` of those values.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ from nan2safe_jax import incidents, nn, replay
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear
 from nan2safe_jax.replay import magnitude
+from nan2safe_jax.supervisor import NanIncidentError
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -377,6 +380,46 @@ def test_a_bad_update_the_replay_makes_again_drops_the_replayed_batches_the_seco
     assert tr.incidents == 2 and tr.step == 7  # batches 8 and 9 trained as steps 5 and 6
     assert all(np.isfinite(h["loss"]) for h in hist[-2:])
     assert float(jnp.abs(tr.state.params["lin"]["kernel"][...]).max()) < 10
+
+
+class _Count(NamedTuple):
+    count: jax.Array
+
+
+def _kernel_made_huge_at(k: int):
+    """``_kernel_made_huge``'s bug driven by the optimizer's own step count (as a learning-rate
+    schedule is): at its ``k``-th update, whatever the batch."""
+
+    def update(updates, state, params=None):
+        del params
+        kernel = updates["lin"]["kernel"]
+        add = jnp.where(state.count == k, 5e3, 0.0).astype(kernel[...].dtype)
+        kernel[...] = kernel[...] + add
+        return updates, _Count(state.count + 1)
+
+    return optax.GradientTransformation(lambda params: _Count(jnp.zeros([], jnp.int32)), update)
+
+
+def test_a_bad_update_the_step_count_makes_stops_once_dropping_batches_did_not_help(tmp_path):
+    """The same bug at the optimizer's 6th update, whatever the batch: the second rollback to
+    checkpoint 5 drops batches 5-7, and step 7 fails again on new batches (the count comes back
+    with the checkpoint). The third stops with ``NanIncidentError`` on checkpoint 5, naming the
+    step count, instead of dropping every batch after it (newuser50: a schedule's spike, ``fit``
+    returned after 27 of 60 steps, having trained nothing since checkpoint 0)."""
+    rng = np.random.default_rng(1)
+    batches = [(jnp.asarray(rng.normal(size=(4, 4)), jnp.float32), 0.0) for _ in range(14)]
+    cfg = Config(checkpoint_every=5, safe_max_steps=3, recovery_window=8, min_history=8)
+    loss = lambda m, b: jnp.mean(m(b[0])) + b[1] * m.t[...]  # noqa: E731
+    tx = optax.chain(optax.sgd(1e-3), _kernel_made_huge_at(6))
+    with nan2safe.Trainer(_Fp16Square(rngs=nnx.Rngs(0)), tx, loss, cfg, tmp_path) as tr:
+        with pytest.raises(NanIncidentError, match="follows the step count"):
+            tr.fit(batches, steps=14)
+        ev = tr.events
+        assert tr.step == 5 and tr.incidents == 3
+        assert float(jnp.abs(tr.state.params["lin"]["kernel"][...]).max()) < 10
+    rb = [e for e in ev if e["type"] == "rollback"]
+    assert [(e["to_step"], e.get("dropped")) for e in rb] == [(5, None), (5, [5, 6, 7])], rb
+    assert ev[-1]["type"] == "stop_restore" and ev[-1]["to_step"] == 5, ev[-1]
 
 
 def test_cone_is_the_backward_slice_of_the_culprits_inputs():
