@@ -578,7 +578,7 @@ def _huge_parameter(report: Report) -> str | None:
     arg = m.get("argument")
     if arg is None or not arg.startswith("[0].params"):
         return None
-    share = f"{100 * m['origin_fraction']:.2g}% of its range"
+    share = f"{100 * m['origin_fraction']:.2g}% of the range the step reads it in"
     layer = f", layer {m['layer']} of the stack" if m.get("layer") is not None else ""
     return f"{arg[len('[0].params') :]} (max |x| {m['max_abs']:.3g}, {share}{layer})"
 
