@@ -885,14 +885,9 @@ class Trainer:
             except Exception as err:  # noqa: BLE001 - a failed restore must not hide the stop
                 self.log.append("error", step_no, detail=f"no restore at the stop: {err!r}")
         if found is not None:
-            self.state, ckpt, extra = found
-            self.step = ckpt
-            self._checkpoint_due = False
-            self.ring = collections.deque(
-                [(s, b) for s, b in self.ring if s < ckpt], maxlen=self.ring.maxlen
-            )
+            state, ckpt, extra = found
+            self._leave_on(step_no, state, ckpt, extra)
             m["next_gear"] = int(self.state.gear.level)
-            self.log.append("stop_restore", step_no, to_step=ckpt, **extra)
             why += f"; the trainer is left on checkpoint {ckpt}"
         hint = "" if decision.hint is None else f"\n{decision.hint}"
         raise NanIncidentError(f"{why}; last report:\n{decision.report}{hint}", decision.report)
@@ -1125,14 +1120,22 @@ class Trainer:
         )
         return _Restart(state, [(b, True) for _, b in replay], rolled_back=True)
 
+    def _leave_on(self, step_no: int, state, ckpt: int, extra: dict) -> None:
+        """A stop's last act: the trainer is left on checkpoint ``ckpt`` (``state``), as a
+        resume would be, with the batches after it out of the ring (a ``stop_restore``)."""
+        self.state, self.step = state, int(ckpt)
+        self._checkpoint_due = False
+        self.ring = collections.deque(
+            [(s, b) for s, b in self.ring if s < ckpt], maxlen=self.ring.maxlen
+        )
+        self.log.append("stop_restore", step_no, to_step=int(ckpt), **extra)
+
     def _stop_where_batches_do_not_matter(self, done: _Step, decision, state, ckpt, extra):
         """The fault came back after the batches replayed into it were dropped (``_rollback``):
         it follows the step count, not the data (a learning-rate schedule, or any function of
         the optimizer's step, replays as it ran), and another rollback would drop the new
         batches too, training nothing (newuser50: ``fit`` returned after 27 of 60 steps).
         Stops, on the restored checkpoint, with ``NanIncidentError``."""
-        self.state, self.step = state, int(ckpt)
-        self._checkpoint_due = False
         detail = (
             f"step {done.step} failed again after the batches replayed into it were dropped: "
             "the fault follows the step count, not the data (a learning-rate schedule, or "
@@ -1140,7 +1143,7 @@ class Trainer:
             "rollback)"
         )
         self.log.append("error", done.step, detail=detail)
-        self.log.append("stop_restore", done.step, to_step=int(ckpt), **extra)
+        self._leave_on(done.step, state, ckpt, extra)
         raise NanIncidentError(
             f"{detail}; the trainer is left on checkpoint {ckpt}; last report:\n{decision.report}",
             decision.report,
