@@ -106,6 +106,16 @@ class _Step:
     replayed: bool  # a batch replayed after a rollback
 
 
+class _HeldByEveryCheckpoint(Exception):
+    """``Trainer._restore_newest``: every checkpoint at or before the step holds what
+    ``refuse`` refuses (a weight made huge before the oldest one kept): no restore removes
+    it."""
+
+    def __init__(self, steps: list[int]):
+        super().__init__(f"every checkpoint ({', '.join(map(str, steps))}) holds it")
+        self.steps = steps
+
+
 def _refusing(huge: tuple[str, float] | None):
     """``Trainer._restore_newest``'s ``refuse`` for a rollback from a parameter made huge
     (``incidents.huge_state_leaf``): a checkpoint that still holds it; None for no refusal."""
@@ -882,6 +892,8 @@ class Trainer:
                 found = self._restore_newest(
                     step_no, _refusing(incidents.huge_state_leaf(decision.report))
                 )
+            except _HeldByEveryCheckpoint as held:  # each as bad as the state the run has
+                why += f"; the trainer stays where it is: {held} (the weight made huge)"
             except Exception as err:  # noqa: BLE001 - a failed restore must not hide the stop
                 self.log.append("error", step_no, detail=f"no restore at the stop: {err!r}")
         if found is not None:
@@ -1078,7 +1090,10 @@ class Trainer:
         """
         self._beat()
         huge = incidents.huge_state_leaf(decision.report)
-        found = self._restore_newest(done.step, _refusing(huge))
+        try:
+            found = self._restore_newest(done.step, _refusing(huge))
+        except _HeldByEveryCheckpoint as held:
+            self._stop_where_no_checkpoint_helps(done, decision, huge[0], held.steps)
         if found is None:
             self.log.append("error", done.step, detail="no finite checkpoint to roll back to")
             return None
@@ -1149,6 +1164,24 @@ class Trainer:
             decision.report,
         )
 
+    def _stop_where_no_checkpoint_helps(self, done: _Step, decision, keystr: str, steps):
+        """The parameter the incident named huge (``incidents.huge_state_leaf``) is huge in
+        every checkpoint kept, back to the oldest: it was made before that one (by its
+        initialisation, or a growth slower than the checkpoints kept). No rollback removes it,
+        and no gear does (``incidents._downshift``): restoring the oldest anyway would replay
+        into the same fault, then drop the replayed batches, then stop naming the step count
+        (helper-80). Stops at once, on the state the run has (finite: the failed step was not
+        applied), with ``NanIncidentError`` naming the weight and the checkpoints; none is
+        deleted."""
+        detail = (
+            f"the parameter {keystr} is near overflow in every checkpoint kept (steps "
+            f"{', '.join(map(str, steps))}): it was made before the oldest, so no rollback "
+            "removes it, and no gear does. Re-initialise or rescale it (or lower the learning "
+            "rate that grew it), then resume"
+        )
+        self.log.append("error", done.step, detail=detail)
+        raise NanIncidentError(f"{detail}; last report:\n{decision.report}", decision.report)
+
     def _passed_over(self) -> list[int]:
         """The checkpoint a restore now passes over: the one the last rollback (or stop)
         restored, once two steps since have failed and none applied. Not a resume's: its
@@ -1172,7 +1205,8 @@ class Trainer:
 
         ``refuse(state)``: the checkpoint still holds the damage the incident named (a weight a
         bad update made huge, saved since: it is finite); passed over at once for an older
-        one, when there is one.
+        one. When every checkpoint is refused, none is restored or deleted:
+        ``_HeldByEveryCheckpoint`` (with the steps refused) is raised.
 
         Returns:
           ``(state, checkpoint step, extra)``: ``extra`` for the event
@@ -1187,10 +1221,12 @@ class Trainer:
             if found is None and passed:  # none older: the one there is, all the same
                 passed = []
                 found = self.checkpoints.restore_latest(self.state, before=step_no)
+            refused = []
             while found is not None and refuse is not None and refuse(found[0]):
+                refused.append(int(found[1]))
                 older = self.checkpoints.restore_latest(self.state, before=found[1] - 1)
-                if older is None:  # none older: the one there is, all the same
-                    break
+                if older is None:
+                    raise _HeldByEveryCheckpoint(refused)
                 passed.append(int(found[1]))
                 found = older
         for w in caught:

@@ -288,6 +288,29 @@ def test_a_weight_a_bad_update_made_huge_is_rolled_back_at_the_first_incident(tm
     assert float(jnp.abs(tr.state.params["lin"]["kernel"][...]).max()) < 10
 
 
+def test_a_weight_huge_in_every_checkpoint_stops_the_run_without_a_rollback(tmp_path):
+    """The weight is huge from the start, so checkpoint 0 holds it too: no rollback removes it
+    (helper-80). The first incident stops with ``NanIncidentError`` naming the weight and the
+    checkpoints, restores nothing and deletes nothing. Before, checkpoint 0 was restored all
+    the same and its batches replayed into the same fault, dropped, and the run stopped two
+    incidents later, saying the fault followed the step count."""
+    rng = np.random.default_rng(0)
+    batches = [jnp.asarray(rng.normal(size=(4, 4)), jnp.float32) for _ in range(8)]
+    cfg = Config(checkpoint_every=5, safe_max_steps=3, recovery_window=8, min_history=8)
+    loss = lambda m, x: jnp.mean(m(x) ** 2)  # noqa: E731
+    model = _Two(rngs=nnx.Rngs(0))
+    model.lin.kernel[...] = model.lin.kernel[...] * 1e37
+    with nan2safe.Trainer(model, optax.adam(1e-3), loss, cfg, tmp_path) as tr:
+        with pytest.raises(NanIncidentError, match=r"every checkpoint kept \(steps 0\)") as err:
+            tr.fit(batches, steps=8)
+        ev = tr.events
+        assert "['lin']['kernel']" in str(err.value) and tr.incidents == 1
+        assert tr.checkpoints.restore_latest(tr.state) is not None  # checkpoint 0 kept
+    assert not [e for e in ev if e["type"] in ("rollback", "stop_restore")], ev
+    (loc,) = [e for e in ev if e["type"] == "locate"]
+    assert loc["report"]["magnitude"]["argument"] == "[0].params['lin']['kernel'].value"
+
+
 def _report(site, origin_site=None, argument=None):
     """A report of a culprit at ``site`` whose near-overflow input came from an equation of
     ``origin_site`` or from ``argument``."""
