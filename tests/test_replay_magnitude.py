@@ -204,6 +204,60 @@ def test_inside_a_scan_the_walk_stays_in_the_culprits_iteration(layer):
         assert m["origin"] is None and "iter=2" in m["argument"] and "layer" not in m, m
 
 
+def _nested(ws, c):
+    """A scan of scanned blocks: ``ws[g, l]`` is block ``g``'s layer ``l``."""
+    group = lambda c, wg: (c, jax.lax.scan(_weight_layer, c, wg)[1].sum())  # noqa: E731
+    return jax.lax.scan(group, c, ws)[1].sum()
+
+
+def _whole(ws, c):
+    """Every iteration reads the whole ``ws[0]`` (closed over), scanned over ``ws[1]``."""
+    w, xs = ws
+    return jax.lax.scan(lambda c, x: (c, jnp.sum((c * w[2] * x) ** 2)), c, xs)[1].sum()
+
+
+def _cast_first(ws, c):
+    """The f32 stack cast to bfloat16 once, then scanned: the body reads the cast's slice."""
+    return jax.lax.scan(_weight_layer, c.astype(jnp.bfloat16), ws.astype(jnp.bfloat16))[1].sum()
+
+
+def _twins(ws, c):
+    """The stack and an equal copy (an EMA of the parameters, say): scanned over the first."""
+    return jax.lax.scan(_weight_layer, c, ws["params"])[1].sum() + 0 * ws["ema"].sum()
+
+
+@pytest.mark.parametrize(
+    "f, named",
+    [
+        (_nested, ("[0]", [1, 2])),
+        (_whole, ("[0][0]", None)),
+        (_cast_first, ("[0]", 2)),
+        (_twins, ("[0]['params']", 2)),
+    ],
+    ids=["nested", "whole", "cast", "twins"],
+)
+def test_a_body_input_is_named_as_the_argument_it_is_through_nested_scans_casts_and_copies(
+    f, named
+):
+    """helper-80: the walk's body input is named as the program's argument it is in each
+    layout (nested scans: both layers; a weight every iteration reads: the whole argument; a
+    stack cast before the scan; a parameter with an equal copy: the parameter). Each was
+    named the body's input before, so a huge stacked weight was never rolled back."""
+    ws = jnp.asarray([0.1, 0.2, 1e37, 0.3], jnp.float32)
+    if f is _nested:
+        ws = jnp.stack([jnp.asarray([0.1, 0.2, 0.5, 0.3]), ws])
+    elif f is _whole:
+        ws = (ws, jnp.ones((4,), jnp.float32))
+    elif f is _twins:
+        ws = {"params": ws, "ema": ws}
+    c = jnp.full((3,), 2.0, jnp.float32)
+    r = replay.locate(jax.make_jaxpr(f)(ws, c), (ws, c))
+    m = r.magnitude
+    assert m is not None and m["origin"] is None, (r, m)
+    assert (m["argument"], m.get("layer")) == named, m
+    np.testing.assert_allclose(m["max_abs"], 1e37, rtol=1e-2)
+
+
 class _Two(nnx.Module):
     """A Linear whose output lands near the range (neither its input nor its weight is), then
     a LayerNorm whose statistics overflow on it: two sites."""

@@ -394,25 +394,51 @@ def _magnitude(sess: Session, leaves_with_path: list, found: Found) -> dict[str,
     return out
 
 
-def _stacked_argument(leaves_with_path: list, value: Any, base: tuple) -> tuple[str, int] | None:
-    """``(keystr, t)`` of the one argument of the program whose slice ``t`` is ``value``, an
-    input of iteration ``t`` of a loop body (``base`` ends with ``("iter", t)``): a layer's
-    weight of a scanned stack, the stacked parameter sliced by the scan (equal values, the
-    same dtype); None when no argument, or more than one, is.
+def _inexact(dtype) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+def _stacked_argument(
+    leaves_with_path: list, value: Any, base: tuple
+) -> tuple[str, int | list[int] | None] | None:
+    """``(keystr, layer)`` of the one argument of the program that ``value``, an input of a
+    loop body's iteration (``base`` holds its ``("iter", t)``, outermost loop first), is:
+
+    - its slice ``t`` (``[t1, t2]`` under nested loops: a scan of scanned blocks): a layer's
+      weight of a scanned stack, the stacked parameter sliced by the scan;
+    - the whole argument (``layer`` None): a weight every iteration reads, closed over by the
+      body or passed to the scan whole.
+
+    Equal values, compared in ``value``'s dtype: a stack cast before the loop (f32 parameters
+    cast to bfloat16 once per step, then scanned) is still its argument. When more than one
+    argument matches, the one among the parameters (``.params`` or ``['params']``) when it is
+    the only one there; else None, as when none does (helper-80: nested scans, a whole
+    weight, a cast before the scan and two equal leaves all named the body's input, so a huge
+    stacked weight was never rolled back).
     """
-    iters = [e for e in base if isinstance(e, tuple) and e[0] == "iter"]
-    if len(iters) != 1:
+    iters = tuple(int(e[1]) for e in base if isinstance(e, tuple) and e[0] == "iter")
+    if not iters:
         return None
-    t = int(iters[0][1])
     v = np.asarray(value)
-    hits = []
+    hits: list[tuple[str, int | list[int] | None]] = []
     for path, leaf in leaves_with_path:
-        shape, dtype = np.shape(leaf), getattr(leaf, "dtype", None)
-        if len(shape) != v.ndim + 1 or tuple(shape[1:]) != v.shape or dtype != v.dtype:
+        shape, dtype = tuple(np.shape(leaf)), getattr(leaf, "dtype", None)
+        if dtype is None or not (dtype == v.dtype or (_inexact(dtype) and _inexact(v.dtype))):
             continue
-        if t < shape[0] and np.array_equal(np.asarray(leaf[t]), v):
-            hits.append(jax.tree_util.keystr(path))
-    return (hits[0], t) if len(hits) == 1 else None
+        n = len(shape) - v.ndim  # the leading axes the loops slice: all of them, or none
+        if (
+            n not in (0, len(iters))
+            or shape[n:] != v.shape
+            or any(t >= d for t, d in zip(iters, shape[:n], strict=False))
+        ):
+            continue
+        part = np.asarray(leaf[iters] if n else leaf).astype(v.dtype)
+        if np.array_equal(part, v):
+            layer = None if not n else (iters[0] if n == 1 else list(iters))
+            hits.append((jax.tree_util.keystr(path), layer))
+    if len(hits) > 1:
+        hits = [h for h in hits if ".params" in h[0] or "['params']" in h[0]]
+    return hits[0] if len(hits) == 1 else None
 
 
 @jax.jit
