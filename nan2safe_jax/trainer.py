@@ -855,7 +855,7 @@ class Trainer:
         self.log.append("damaged", done.step, report=report.to_dict(), action=decision.action)
         self.incidents += 1  # bounded like any incident: damage that never stops ends the run
         self._stop_past_max_incidents(done.step, decision, m)
-        return self._rollback(done, decision)
+        return self._rollback(done, decision, m)
 
     def _stop_past_max_incidents(self, step_no: int, decision, m: dict) -> None:
         """Raises ``NanIncidentError`` (logged) once ``incidents`` passes ``max_incidents``, or
@@ -1066,7 +1066,7 @@ class Trainer:
                 "error", done.step, detail="fails again after a rollback: batch skipped"
             )
         elif decision.restore:
-            restart = self._rollback(done, decision)
+            restart = self._rollback(done, decision, m)
             if restart is not None:
                 return restart
         if decision.revert:
@@ -1077,12 +1077,14 @@ class Trainer:
             return _Restart(done.after.replace(gear=decision.gear))
         return None
 
-    def _rollback(self, done: _Step, decision) -> _Restart | None:
+    def _rollback(self, done: _Step, decision, m: dict) -> _Restart | None:
         """Restores the newest finite checkpoint at or before step ``done`` with the new gears.
 
         The step counter goes back to the checkpoint's, and the batches since then (the ring
         buffer's, then the failing one) are queued again, so step ``n`` always trains on the
         ``n``-th batch. Batches the ring no longer holds are listed as ``missing`` in the event.
+        ``m``: the failed step's metrics (a stop here sets their ``next_gear``, as
+        ``_stop_past_max_incidents`` does).
 
         Returns:
           The restored state and the batches to replay, or None (logged) when no finite
@@ -1113,7 +1115,7 @@ class Trainer:
             last = self._rolled_back_for
             again = last is not None and last[:2] == (cause, ckpt)
             if again and last[2]:
-                self._stop_where_batches_do_not_matter(done, decision, state, ckpt, extra)
+                self._stop_where_batches_do_not_matter(done, decision, state, ckpt, extra, m)
             if again:
                 # The replay after the last rollback to this checkpoint damaged the state, or
                 # made the same weight huge, again: one of its batches does it (a bad update
@@ -1145,7 +1147,7 @@ class Trainer:
         )
         self.log.append("stop_restore", step_no, to_step=int(ckpt), **extra)
 
-    def _stop_where_batches_do_not_matter(self, done: _Step, decision, state, ckpt, extra):
+    def _stop_where_batches_do_not_matter(self, done: _Step, decision, state, ckpt, extra, m):
         """The fault came back after the batches replayed into it were dropped (``_rollback``):
         it follows the step count, not the data (a learning-rate schedule, or any function of
         the optimizer's step, replays as it ran), and another rollback would drop the new
@@ -1159,6 +1161,7 @@ class Trainer:
         )
         self.log.append("error", done.step, detail=detail)
         self._leave_on(done.step, state, ckpt, extra)
+        m["next_gear"] = int(self.state.gear.level)  # the gear the trainer is left at
         raise NanIncidentError(
             f"{detail}; the trainer is left on checkpoint {ckpt}; last report:\n{decision.report}",
             decision.report,

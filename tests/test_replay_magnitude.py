@@ -21,6 +21,7 @@ from nan2safe_jax import incidents, nn, replay
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear
 from nan2safe_jax.replay import magnitude
+from nan2safe_jax.report import read_metrics
 from nan2safe_jax.supervisor import NanIncidentError
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -497,6 +498,9 @@ def test_a_bad_update_the_step_count_makes_stops_once_dropping_batches_did_not_h
     rb = [e for e in ev if e["type"] == "rollback"]
     assert [(e["to_step"], e.get("dropped")) for e in rb] == [(5, None), (5, [5, 6, 7])], rb
     assert ev[-1]["type"] == "stop_restore" and ev[-1]["to_step"] == 5, ev[-1]
+    # the failed step's metrics line: the gear the trainer was left at, not the one it chose
+    last = read_metrics(tmp_path)[-1]
+    assert last["step"] == 7 and last["incident"] and last["next_gear"] == Gear.FAST, last
 
 
 def test_cone_is_the_backward_slice_of_the_culprits_inputs():
