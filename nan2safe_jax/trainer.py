@@ -854,10 +854,10 @@ class Trainer:
         )
         self.log.append("damaged", done.step, report=report.to_dict(), action=decision.action)
         self.incidents += 1  # bounded like any incident: damage that never stops ends the run
-        self._stop_past_max_incidents(done.step, decision, m)
+        self._stop_past_max_incidents(done, decision, m)
         return self._rollback(done, decision, m)
 
-    def _stop_past_max_incidents(self, step_no: int, decision, m: dict) -> None:
+    def _stop_past_max_incidents(self, done: _Step, decision, m: dict) -> None:
         """Raises ``NanIncidentError`` (logged) once ``incidents`` passes ``max_incidents``, or
         once more than ``max_incidents`` batches in a row were polluted input: each of those is
         skipped and not counted as an incident, but a data pipeline that yields nothing usable
@@ -870,12 +870,13 @@ class Trainer:
         state stays: the data was at fault, not the state.
 
         Args:
-          step_no: the failed step.
+          done: the failed step.
           decision: its tier-2 decision (its report goes into the error).
           m: the step's metrics, written to ``metrics.jsonl`` after this: a stop that leaves
             the trainer on a checkpoint sets ``next_gear`` to the checkpoint's level (the gear
             the failed step chose never takes effect), as a rollback does.
         """
+        step_no = done.step
         limit = self.cfg.max_incidents
         if self.incidents > limit:
             detail = f"{self.incidents} incidents: stopping"
@@ -893,7 +894,8 @@ class Trainer:
                     step_no, _refusing(incidents.huge_state_leaf(decision.report))
                 )
             except _HeldByEveryCheckpoint as held:  # each as bad as the state the run has
-                why += f"; the trainer stays where it is: {held} (the weight made huge)"
+                self._leave_before(done)
+                why += f"; the trainer is left before step {step_no}: {held} (the huge weight)"
             except Exception as err:  # noqa: BLE001 - a failed restore must not hide the stop
                 self.log.append("error", step_no, detail=f"no restore at the stop: {err!r}")
         if found is not None:
@@ -1058,7 +1060,7 @@ class Trainer:
             log.info("step %d: %s\n%s", done.step, decision.action, report)
         else:  # damaged
             self.log.append("damaged", done.step, report=rd, action=decision.action)
-        self._stop_past_max_incidents(done.step, decision, m)
+        self._stop_past_max_incidents(done, decision, m)
         if decision.restore and decision.kind == "repeat" and done.replayed:
             # The same batch fails in SAFE again on the replay after a rollback: the batch, not
             # the state, is at fault. Another rollback would loop; its step stays skipped.
@@ -1173,17 +1175,35 @@ class Trainer:
         initialisation, or a growth slower than the checkpoints kept). No rollback removes it,
         and no gear does (``incidents._downshift``): restoring the oldest anyway would replay
         into the same fault, then drop the replayed batches, then stop naming the step count
-        (helper-80). Stops at once, on the state the run has (finite: the failed step was not
-        applied), with ``NanIncidentError`` naming the weight and the checkpoints; none is
-        deleted."""
+        (helper-80). Stops at once with ``NanIncidentError`` naming the weight and the
+        checkpoints, none deleted, the trainer left on the state the failed step started from
+        (``_leave_before``: finite, the weight in it)."""
         detail = (
             f"the parameter {keystr} is near overflow in every checkpoint kept (steps "
             f"{', '.join(map(str, steps))}): it was made before the oldest, so no rollback "
-            "removes it, and no gear does. Re-initialise or rescale it (or lower the learning "
-            "rate that grew it), then resume"
+            "removes it, and no gear does. Rescale or re-initialise it in trainer.state and "
+            "trainer.save() it before fit() again (a resume restores the newest checkpoint, "
+            "which holds it), or start from a new workdir; look at what grew it (the learning "
+            "rate, the initialisation)"
         )
         self.log.append("error", done.step, detail=detail)
-        raise NanIncidentError(f"{detail}; last report:\n{decision.report}", decision.report)
+        self._leave_before(done)
+        raise NanIncidentError(
+            f"{detail}; the trainer is left before step {done.step}; last report:\n"
+            f"{decision.report}",
+            decision.report,
+        )
+
+    def _leave_before(self, done: _Step) -> None:
+        """A stop that restores no checkpoint leaves the trainer on the state failed step
+        ``done`` started from, at its step: the step after it, already dispatched on the
+        failed step's result (``fit`` runs one step ahead), was never checked, and neither
+        batch is in the ring."""
+        self.state, self.step = done.before, int(done.step)
+        self._checkpoint_due = False
+        self.ring = collections.deque(
+            [(s, b) for s, b in self.ring if s < done.step], maxlen=self.ring.maxlen
+        )
 
     def _passed_over(self) -> list[int]:
         """The checkpoint a restore now passes over: the one the last rollback (or stop)
@@ -1202,6 +1222,19 @@ class Trainer:
         ckpt, incidents_then = self._restored
         return [ckpt] if self.incidents - incidents_then >= 2 else []
 
+    @contextlib.contextmanager
+    def _logging_warnings(self, step_no: int):
+        """Logs (as ``error`` events) the warnings the checkpoint reads inside the block
+        raised, a checkpoint skipped as corrupt or not finite, even when the block raises."""
+        caught: list = []
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                yield
+        finally:
+            for w in caught:
+                self.log.append("error", _skipped_step(w.message, step_no), detail=str(w.message))
+
     def _restore_newest(self, step_no: int, refuse=None) -> tuple[TrainState, int, dict] | None:
         """The newest finite checkpoint at or before ``step_no`` that ``_passed_over`` does
         not pass over (then those after it are deleted, a timeline abandoned), or None.
@@ -1217,8 +1250,7 @@ class Trainer:
         """
         self.checkpoints.wait()
         passed = self._passed_over()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with self._logging_warnings(step_no):
             before = passed[0] - 1 if passed else step_no
             found = self.checkpoints.restore_latest(self.state, before=before)
             if found is None and passed:  # none older: the one there is, all the same
@@ -1228,12 +1260,10 @@ class Trainer:
             while found is not None and refuse is not None and refuse(found[0]):
                 refused.append(int(found[1]))
                 older = self.checkpoints.restore_latest(self.state, before=found[1] - 1)
-                if older is None:
-                    raise _HeldByEveryCheckpoint(refused)
+                if older is None:  # (a checkpoint passed over before is no better)
+                    raise _HeldByEveryCheckpoint(sorted(set(refused + passed)))
                 passed.append(int(found[1]))
                 found = older
-        for w in caught:
-            self.log.append("error", _skipped_step(w.message, step_no), detail=str(w.message))
         if found is None:
             return None
         state, ckpt = found

@@ -343,27 +343,47 @@ def test_a_weight_a_bad_update_made_huge_is_rolled_back_at_the_first_incident(tm
     assert float(jnp.abs(tr.state.params["lin"]["kernel"][...]).max()) < 10
 
 
-def test_a_weight_huge_in_every_checkpoint_stops_the_run_without_a_rollback(tmp_path):
-    """The weight is huge from the start, so checkpoint 0 holds it too: no rollback removes it
-    (helper-80). The first incident stops with ``NanIncidentError`` naming the weight and the
-    checkpoints, restores nothing and deletes nothing. Before, checkpoint 0 was restored all
-    the same and its batches replayed into the same fault, dropped, and the run stopped two
-    incidents later, saying the fault followed the step count."""
+@pytest.mark.parametrize("past_max", [False, True], ids=["rollback", "max_incidents"])
+def test_a_weight_huge_in_every_checkpoint_stops_the_run_without_a_rollback(tmp_path, past_max):
+    """The fp16 kernel is huge from the start (+5e3: 8% of fp16's range), so every checkpoint
+    kept (2, 4, 6: three are kept) holds it; the steps pass while the inputs are small
+    (x0.001) and step 6, the first full batch, overflows. No rollback removes the weight
+    (helper-80): the first incident stops with ``NanIncidentError`` naming the weight and the
+    checkpoints, restores nothing, deletes nothing, and leaves the trainer before step 6
+    (``fit`` had already run step 7 on the failed step's result). Before, the newest ones
+    were passed over and deleted, checkpoint 2 restored all the same, and the run stopped
+    two incidents later, saying the fault followed the step count. The stop at
+    ``max_incidents`` (incidents before this one counted in) finds the same and leaves the
+    trainer at the same place."""
     rng = np.random.default_rng(0)
-    batches = [jnp.asarray(rng.normal(size=(4, 4)), jnp.float32) for _ in range(8)]
-    cfg = Config(checkpoint_every=5, safe_max_steps=3, recovery_window=8, min_history=8)
-    loss = lambda m, x: jnp.mean(m(x) ** 2)  # noqa: E731
-    model = _Two(rngs=nnx.Rngs(0))
-    model.lin.kernel[...] = model.lin.kernel[...] * 1e37
-    with nan2safe.Trainer(model, optax.adam(1e-3), loss, cfg, tmp_path) as tr:
-        with pytest.raises(NanIncidentError, match=r"every checkpoint kept \(steps 0\)") as err:
-            tr.fit(batches, steps=8)
+    xs = [jnp.asarray(rng.normal(size=(4, 4)), jnp.float32) for _ in range(10)]
+    batches = [(x * (1e-3 if i < 6 else 1.0), 0.0) for i, x in enumerate(xs)]
+    cfg = Config(checkpoint_every=2, safe_max_steps=3, recovery_window=8, min_history=8)
+    held = r"every checkpoint kept \(steps 2, 4, 6\)"
+    if past_max:
+        held = r"left before step 6: every checkpoint \(2, 4, 6\) holds it"
+    loss = lambda m, b: jnp.mean(m(b[0])) + b[1] * m.t[...]  # noqa: E731
+    model = _Fp16Square(rngs=nnx.Rngs(0))
+    model.lin.kernel[...] = model.lin.kernel[...] + jnp.float16(5e3)
+    with nan2safe.Trainer(model, optax.sgd(1e-3), loss, cfg, tmp_path) as tr:
+        tr.incidents = cfg.max_incidents if past_max else 0  # earlier incidents, elsewhere
+        with pytest.raises(NanIncidentError, match=held):
+            tr.fit(batches, steps=10)
         ev = tr.events
-        assert "['lin']['kernel']" in str(err.value) and tr.incidents == 1
-        assert tr.checkpoints.restore_latest(tr.state) is not None  # checkpoint 0 kept
+        assert (
+            tr.incidents - (cfg.max_incidents if past_max else 0) == 1
+            and tr.step == 6
+            and tr.checkpoints.steps() == [2, 4, 6]
+        )
+        assert int(tr.state.step) == 6 and [s for s, _ in tr.ring] == [4, 5]
+        assert float(jnp.abs(tr.state.params["lin"]["kernel"][...]).max()) > 4e3
     assert not [e for e in ev if e["type"] in ("rollback", "stop_restore")], ev
     (loc,) = [e for e in ev if e["type"] == "locate"]
+    assert loc["step"] == 6, loc
     assert loc["report"]["magnitude"]["argument"] == "[0].params['lin']['kernel'].value"
+    if not past_max:
+        (err,) = [e for e in ev if e["type"] == "error"]
+        assert "['lin']['kernel']" in err["detail"] and "trainer.save()" in err["detail"], err
 
 
 def _report(site, origin_site=None, argument=None):
