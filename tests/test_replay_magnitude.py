@@ -222,6 +222,18 @@ def _cast_first(ws, c):
     return jax.lax.scan(_weight_layer, c.astype(jnp.bfloat16), ws.astype(jnp.bfloat16))[1].sum()
 
 
+def _microbatches(ws, c):
+    """A scan over microbatches around a scan over the layers: only the inner one slices
+    ``ws``."""
+    micro = lambda c, m: (c, jax.lax.scan(_weight_layer, c * m, ws)[1].sum())  # noqa: E731
+    return jax.lax.scan(micro, c, jnp.ones((2,), jnp.float32))[1].sum()
+
+
+def _copies(ws, c):
+    """Two equal leaves, neither a parameter: no name."""
+    return jax.lax.scan(_weight_layer, c, ws["a"])[1].sum() + 0 * ws["b"].sum()
+
+
 def _twins(ws, c):
     """The stack and an equal copy (an EMA of the parameters, say): scanned over the first."""
     return jax.lax.scan(_weight_layer, c, ws["params"])[1].sum() + 0 * ws["ema"].sum()
@@ -234,15 +246,19 @@ def _twins(ws, c):
         (_whole, ("[0][0]", None)),
         (_cast_first, ("[0]", 2)),
         (_twins, ("[0]['params']", 2)),
+        (_microbatches, ("[0]", 2)),
+        (_copies, None),
     ],
-    ids=["nested", "whole", "cast", "twins"],
+    ids=["nested", "whole", "cast", "twins", "microbatches", "copies"],
 )
 def test_a_body_input_is_named_as_the_argument_it_is_through_nested_scans_casts_and_copies(
     f, named
 ):
     """helper-80: the walk's body input is named as the program's argument it is in each
-    layout (nested scans: both layers; a weight every iteration reads: the whole argument; a
-    stack cast before the scan; a parameter with an equal copy: the parameter). Each was
+    layout (nested scans: both layers; a scan over microbatches around the scan over layers:
+    the inner one's; a weight every iteration reads: the whole argument; a stack cast before
+    the scan; a parameter with an equal copy: the parameter; two equal copies of which none
+    is a parameter: none, the body's input). Each was
     named the body's input before, so a huge stacked weight was never rolled back."""
     ws = jnp.asarray([0.1, 0.2, 1e37, 0.3], jnp.float32)
     if f is _nested:
@@ -251,10 +267,15 @@ def test_a_body_input_is_named_as_the_argument_it_is_through_nested_scans_casts_
         ws = (ws, jnp.ones((4,), jnp.float32))
     elif f is _twins:
         ws = {"params": ws, "ema": ws}
+    elif f is _copies:
+        ws = {"a": ws, "b": ws}
     c = jnp.full((3,), 2.0, jnp.float32)
     r = replay.locate(jax.make_jaxpr(f)(ws, c), (ws, c))
     m = r.magnitude
     assert m is not None and m["origin"] is None, (r, m)
+    if named is None:  # ambiguous: the body's input, as before
+        assert "of the body at" in m["argument"] and "layer" not in m, m
+        return
     assert (m["argument"], m.get("layer")) == named, m
     np.testing.assert_allclose(m["max_abs"], 1e37, rtol=1e-2)
 

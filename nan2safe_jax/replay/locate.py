@@ -18,7 +18,9 @@ reproduces the production step's non-finite outputs before it names anything.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -372,7 +374,7 @@ def _magnitude(sess: Session, leaves_with_path: list, found: Found) -> dict[str,
         "argument": None,
     }
 
-    def name(i: int) -> tuple[str, int | None]:
+    def name(i: int) -> tuple[str, int | list[int] | None]:
         """The ``keystr`` of the level's argument ``i`` (and the layer of a stacked one)."""
         if top:
             return jax.tree_util.keystr(leaves_with_path[i][0]), None
@@ -394,8 +396,18 @@ def _magnitude(sess: Session, leaves_with_path: list, found: Found) -> dict[str,
     return out
 
 
-def _inexact(dtype) -> bool:
-    return bool(jnp.issubdtype(dtype, jnp.inexact))
+def _floating(dtype) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+# A keystr of the state's parameters: ``[0].params[...]`` (a ``TrainState``) or
+# ``[0]['params'][...]`` (a dict), whole or a leaf under it.
+_PARAMS = re.compile(r"^\[\d+\](\.params|\['params'\])(\[|\.|$)")
+
+
+@jax.jit
+def _equal(part: jax.Array, value: jax.Array) -> jax.Array:
+    return jnp.array_equal(part.astype(value.dtype), value)
 
 
 def _stacked_argument(
@@ -404,40 +416,43 @@ def _stacked_argument(
     """``(keystr, layer)`` of the one argument of the program that ``value``, an input of a
     loop body's iteration (``base`` holds its ``("iter", t)``, outermost loop first), is:
 
-    - its slice ``t`` (``[t1, t2]`` under nested loops: a scan of scanned blocks): a layer's
-      weight of a scanned stack, the stacked parameter sliced by the scan;
+    - its slice by the loops that slice it (``layer`` the iteration of each, outermost first,
+      an int for one): a layer's weight of a scanned stack, sliced by the scan over layers
+      (inside a scan over microbatches, or around a scan over time, which do not slice it);
+      ``[t1, t2]`` for a scan of scanned blocks;
     - the whole argument (``layer`` None): a weight every iteration reads, closed over by the
       body or passed to the scan whole.
 
-    Equal values, compared in ``value``'s dtype: a stack cast before the loop (f32 parameters
-    cast to bfloat16 once per step, then scanned) is still its argument. When more than one
-    argument matches, the one among the parameters (``.params`` or ``['params']``) when it is
-    the only one there; else None, as when none does (helper-80: nested scans, a whole
-    weight, a cast before the scan and two equal leaves all named the body's input, so a huge
-    stacked weight was never rolled back).
+    Equal values, compared on the device in ``value``'s dtype (a floating stack cast before
+    the loop, f32 parameters cast to bfloat16 once per step, is still its argument). A leaf
+    that matches under two choices of loops, or two leaves, are ambiguous; among several
+    leaves the one of the state's parameters (``[0].params``) is taken when it is the only
+    one. None when no argument or more than one is (helper-80: nested scans, a whole weight, a
+    cast before the scan and two equal leaves all named the body's input, so a huge stacked
+    weight was never rolled back).
     """
     iters = tuple(int(e[1]) for e in base if isinstance(e, tuple) and e[0] == "iter")
     if not iters:
         return None
-    v = np.asarray(value)
+    v = jnp.asarray(value)
     hits: list[tuple[str, int | list[int] | None]] = []
     for path, leaf in leaves_with_path:
         shape, dtype = tuple(np.shape(leaf)), getattr(leaf, "dtype", None)
-        if dtype is None or not (dtype == v.dtype or (_inexact(dtype) and _inexact(v.dtype))):
+        if dtype is None or not (dtype == v.dtype or (_floating(dtype) and _floating(v.dtype))):
             continue
-        n = len(shape) - v.ndim  # the leading axes the loops slice: all of them, or none
-        if (
-            n not in (0, len(iters))
-            or shape[n:] != v.shape
-            or any(t >= d for t, d in zip(iters, shape[:n], strict=False))
-        ):
+        n = len(shape) - v.ndim  # the leading axes some of the loops slice
+        if not 0 <= n <= len(iters) or shape[n:] != v.shape:
             continue
-        part = np.asarray(leaf[iters] if n else leaf).astype(v.dtype)
-        if np.array_equal(part, v):
-            layer = None if not n else (iters[0] if n == 1 else list(iters))
-            hits.append((jax.tree_util.keystr(path), layer))
+        mine = []
+        for loops in itertools.combinations(iters, n):
+            if all(t < d for t, d in zip(loops, shape, strict=False)):
+                layer = None if not n else (loops[0] if n == 1 else list(loops))
+                if layer not in mine and bool(_equal(jnp.asarray(leaf)[loops], v)):
+                    mine.append(layer)
+        key = jax.tree_util.keystr(path)
+        hits += [(key, layer) for layer in mine]
     if len(hits) > 1:
-        hits = [h for h in hits if ".params" in h[0] or "['params']" in h[0]]
+        hits = [h for h in hits if _PARAMS.match(h[0])]
     return hits[0] if len(hits) == 1 else None
 
 
