@@ -154,7 +154,8 @@ def _step_fn(module, call, forward: bool, with_gear: bool, kinds=()):
             fast_only = gear.dtype == dispatch.FAST_ONLY
             for var in site_gears(m).values() if fast_only else [m.gear]:
                 var.set_value(gear)
-        y = call(m, x)
+        with dispatch.hoisting(with_gear):  # as the train step traces its model
+            y = call(m, x)
         kept = nnx.split(m, nnx.Param, SITE_VARIABLES, ...)[3]
         return jnp.sum(y.astype(jnp.float32)), (watched_probes(m, kinds), kept)
 

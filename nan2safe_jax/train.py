@@ -231,7 +231,7 @@ def watched_probes(model: nnx.Module, kinds) -> dict[str, jax.Array]:
 def _forward(state: TrainState, site, params, batch, loss_fn, has_aux: bool = False):
     model = nnx.merge(state.graphdef, params, site, state.rest, copy=True)
     declared = {path for path, node in nnx.iter_graph(model) if isinstance(node, Probe)}
-    with probe_lib.probe_set(state.cfg.probes):
+    with probe_lib.probe_set(state.cfg.probes), dispatch.hoisting():
         out = loss_fn(model, batch)
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):

@@ -17,6 +17,7 @@ from flax import nnx
 
 from nan2safe_jax import nn, ops, replay
 from nan2safe_jax.config import Config
+from nan2safe_jax.ops import dispatch
 from nan2safe_jax.train import TrainState, make_train_step
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
@@ -261,6 +262,72 @@ def test_every_conv_gear_matches_the_float64_reference(xdt, gear):
     tol = {F32: 1e-5, BF16: 3e-2, F16: 3e-3}[xdt]
     assert y.dtype == xdt
     np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=tol, atol=tol * 10)
+
+
+def _convs(jaxpr, in_other: bool = False) -> list[bool]:
+    """For each ``conv_general_dilated`` of ``jaxpr`` and the jaxprs inside it: whether it is
+    inside a ``cond`` branch other than the first (FAST's, or the pass-through of FAST's value:
+    ``ops.dispatch``), i.e. in a STABLE or SAFE path."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "conv_general_dilated":
+            found.append(in_other)
+        for key, v in eqn.params.items():
+            subs = v if isinstance(v, (tuple, list)) else (v,)
+            for i, sub in enumerate(subs):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    other = eqn.primitive.name == "cond" and key == "branches" and i > 0
+                    found += _convs(sub, in_other or other)
+    return found
+
+
+@pytest.mark.parametrize("xdt", [F32, BF16, F16])
+@pytest.mark.parametrize("gear", [1, 2])
+@pytest.mark.parametrize("switched", [False, True], ids=["general", "switched"])
+def test_in_the_train_step_a_conv_out_of_fast_convolves_outside_the_switch(xdt, gear, switched):
+    """newuser51: XLA:CPU gives a convolution inside a ``cond`` branch a slow generic loop when
+    it is one of autodiff's (the kernel's gradient), and an fp16 CNN ran 7-20x slower at
+    STABLE or SAFE than at FAST. Inside ``dispatch.hoisting`` (the train step traces its
+    model there) with a gear switched at run time (the general program's, or a partial
+    program's ``SWITCHED``), no convolution of the forward+backward is inside a STABLE or SAFE
+    branch of a ``cond`` (FAST's own, in a ``SWITCHED`` switch, never runs there); the values
+    and gradients are those of the gear's own path (a concrete gear calls it
+    directly), to f32 rounding."""
+    kw = dict(strides=(2, 2), padding="VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    x = jax.random.normal(jax.random.key(1), (2, 7, 7, 4)).astype(xdt)
+    kernel = jax.random.normal(jax.random.key(2), (3, 3, 2, 6)) * 0.3
+    bias = jnp.linspace(-1.0, 1.0, 6)
+
+    def grad():  # a new function each time: JAX's trace cache does not key on ``hoisting``
+        def loss(x, kernel, g):
+            y = ops.conv(x, kernel, bias, g, feature_group_count=2, **kw)
+            return jnp.sum(jnp.square(y.astype(F32)))
+
+        return jax.value_and_grad(loss, argnums=(0, 1))
+
+    g = dispatch.switched_gear(gear) if switched else jnp.int32(gear)
+    with dispatch.hoisting():
+        inside = _convs(jax.make_jaxpr(grad())(x, kernel, g).jaxpr)
+        got = jax.jit(grad())(x, kernel, g)
+    assert len(inside) >= 3 and not any(inside), inside  # forward, and the two gradients
+    want = grad()(x, kernel, gear)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-5)
+    # outside the train step (a user's own jit of a site): the paths stay in the switch
+    assert any(_convs(jax.make_jaxpr(grad())(x, kernel, g).jaxpr))
+
+
+def test_the_train_steps_general_program_convolves_outside_the_switch():
+    """The train step traces its model inside ``dispatch.hoisting``: its general program (a
+    gear switched at run time) holds no convolution in a STABLE or SAFE branch."""
+    model = nn.Conv(3, 4, (3, 3), dtype=F16, rngs=nnx.Rngs(0))
+    state = TrainState.create(model, optax.sgd(1e-3))
+    step = make_train_step(lambda m, x: jnp.mean(m(x).astype(F32) ** 2), jit=False)
+    x = jax.random.normal(jax.random.key(0), (2, 6, 6, 3))
+    convs = _convs(jax.make_jaxpr(step)(state, x).jaxpr)
+    assert len(convs) >= 3 and not any(convs), convs
 
 
 def test_an_fp16_conv_past_65504_is_located_and_saturates_in_safe():

@@ -68,4 +68,4 @@ def conv(
         dimension_numbers=dimension_numbers,
         feature_group_count=feature_group_count,
     )
-    return geared_contraction(dot, x, kernel, bias, gear, precision, pet, cdtype)
+    return geared_contraction(dot, x, kernel, bias, gear, precision, pet, cdtype, hoist=True)

@@ -33,6 +33,8 @@ distinct path once, and a gear that maps to a single path needs no ``cond`` at a
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import operator
 from collections.abc import Callable, Sequence
@@ -85,6 +87,36 @@ def _static_gear(gear: Any) -> int | None:
     except TypeError:
         return None
     return g
+
+
+_HOISTING: contextvars.ContextVar[bool] = contextvars.ContextVar("nan2safe_hoisting", default=False)
+
+
+@contextlib.contextmanager
+def hoisting(on: bool = True):
+    """Ops traced inside this block with a gear switched at run time take the contraction of
+    their STABLE and SAFE paths out of the switch where the backend needs it (``ops.conv`` on
+    the CPU: ``linear._hoisted``). The train step traces its model inside one: its general and
+    partial programs run those gears. Outside (a user's own ``jit`` of a site, at FAST), the
+    paths stay inside the switch and FAST computes nothing more."""
+    token = _HOISTING.set(on)
+    try:
+        yield
+    finally:
+        _HOISTING.reset(token)
+
+
+def hoisted() -> bool:
+    """Whether the current trace is inside ``hoisting()``."""
+    return _HOISTING.get()
+
+
+def switched_at_run_time(gear: Any) -> bool:
+    """Whether ``switch`` picks ``gear``'s path at run time (a traced gear, ``SWITCHED`` or
+    general), not at trace time (a Python int, a concrete scalar, a known gear's dtype)."""
+    if _KNOWN.get(getattr(gear, "dtype", None)) is not None:
+        return False
+    return _static_gear(gear) is None
 
 
 def _distinct(gear: jax.Array, branches: Sequence[Callable[..., Any]]):

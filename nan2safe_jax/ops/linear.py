@@ -30,7 +30,7 @@ from nan2safe_jax.ops._numerics import (
     _range_exponent,
     _saturate,
 )
-from nan2safe_jax.ops.dispatch import switch
+from nan2safe_jax.ops.dispatch import hoisted, switch, switched_at_run_time
 
 
 def _dims(x, n):
@@ -132,16 +132,82 @@ def linear(
     return geared_contraction(dot, x, kernel, bias, gear, precision, pet, cdtype)
 
 
-def geared_contraction(dot, x, kernel, bias, gear, precision, pet, cdtype) -> jax.Array:
+def geared_contraction(
+    dot, x, kernel, bias, gear, precision, pet, cdtype, *, hoist: bool = False
+) -> jax.Array:
     """``dot(x, kernel) + bias`` in the gear's path: FAST (flax's), STABLE (f32 accumulation,
     saturating cast back), SAFE (f32 operands as given, power-of-two range compression,
     ``HIGHEST``); ``dot(x, kernel, precision=, [preferred_element_type=])`` is the
-    contraction (``lax.dot_general``, ``lax.conv_general_dilated``)."""
+    contraction (``lax.dot_general``, ``lax.conv_general_dilated``).
+
+    ``hoist`` (``ops.conv``): with a gear switched at run time on the CPU, inside the train
+    step (``dispatch.hoisting``), STABLE's and SAFE's contraction runs outside the switch
+    (``_hoisted``)."""
     kw = dict(dot=dot, precision=precision, pet=pet, cdtype=cdtype)
     branches = [functools.partial(f, **kw) for f in (_linear_fast, _linear_stable, _linear_safe)]
     if _stable_is_fast(cdtype, pet):
         branches[1] = branches[0]  # one path for both gears: XLA compiles it once
+    if hoist and hoisted() and switched_at_run_time(gear) and jax.default_backend() == "cpu":
+        return _hoisted(gear, x, kernel, bias, **kw)
     return switch(gear, branches, x, kernel, bias)
+
+
+def _hoisted(gear, x, kernel, bias, *, dot, precision, pet, cdtype) -> jax.Array:
+    """``geared_contraction`` with STABLE's and SAFE's contraction taken out of the switch.
+
+    XLA:CPU gives a convolution inside a ``cond`` branch its slow generic loop when the
+    convolution is one of autodiff's (the kernel's gradient reads the input as ``f01b``, a
+    layout its fast convolution takes only once a pass outside the branch has transposed it):
+    an fp16 ``Conv`` at STABLE or SAFE ran its forward+backward 20-35x slower than at FAST
+    (newuser51: a CNN trained at 110-180 ms a step for the 64+ steps after an incident, 15 ms
+    at FAST). Here both paths read one f32 contraction computed outside every ``cond``, at
+    ``HIGHEST``: STABLE's of the operands cast up (exact: the same products, accumulated in
+    f32, as ``preferred_element_type=f32``), SAFE's of the range-compressed ones; the switch
+    picks only the operands and the scale back. FAST is as before; at FAST (the general
+    program) the f32 contraction runs too, and is dropped.
+    """
+    stable_in = functools.partial(_stable_operands, cdtype=cdtype)
+    xs, ks, ex, ek = switch(gear, [stable_in, stable_in, _safe_operands], x, kernel)
+    yc = dot(xs, ks, precision=_HIGHEST)
+    out = _out_dtype(cdtype, pet)
+    fast = functools.partial(_linear_fast, dot=dot, precision=precision, pet=pet, cdtype=cdtype)
+    branches = [
+        lambda x, kernel, bias, yc, ex, ek: fast(x, kernel, bias),
+        functools.partial(_stable_post, out=out, cdtype=cdtype),
+        functools.partial(_safe_post, out=out),
+    ]
+    if _stable_is_fast(cdtype, pet):
+        branches[1] = branches[0]
+    return switch(gear, branches, x, kernel, bias, yc, ex, ek)
+
+
+def _stable_operands(x, kernel, *, cdtype):
+    """STABLE's operands (``_linear_stable``'s, in the compute dtype) cast up to f32, and zero
+    exponents (the shape of ``_safe_operands``)."""
+    x = x.astype(cdtype)
+    kernel, _ = _in_dtype(x, kernel, None)
+    zero = jnp.zeros((), jnp.int32)
+    return x.astype(_F32), kernel.astype(_F32), zero, zero
+
+
+def _safe_operands(x, kernel):
+    """SAFE's operands (``_linear_safe``'s): f32, range-compressed, and their exponents."""
+    xf, kf = x.astype(_F32), kernel.astype(_F32)
+    ex, ek = _range_exponent(xf), _range_exponent(kf)
+    return xf * _pow2(-ex), kf * _pow2(-ek), ex, ek
+
+
+def _stable_post(x, kernel, bias, yc, ex, ek, *, out, cdtype):
+    del x, kernel, ex, ek
+    bias = None if bias is None else bias.astype(cdtype).astype(_F32)
+    return _saturate(_add_bias(yc, bias), out)
+
+
+def _safe_post(x, kernel, bias, yc, ex, ek, *, out):
+    del x, kernel
+    y = yc * _pow2(ex) * _pow2(ek)
+    y = _add_bias(y, None if bias is None else bias.astype(_F32))
+    return _saturate(y, out)
 
 
 def _stable_is_fast(dtype, pet) -> bool:
