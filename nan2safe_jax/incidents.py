@@ -482,8 +482,22 @@ def unsited_hint(report: Report, sites, nearest: str | None = None) -> str:
     )
 
 
+def downshift_in_place(report: Report, ran: GearState, gs: GearState, cfg: Config) -> Decision:
+    """The gear decision for ``report`` as if its near-overflow input did not come from a
+    parameter of the state: SAFE for the culprit's site (and the site that made its input),
+    the whole model for an unsited culprit. For a weight no rollback can remove (every
+    checkpoint kept holds it, ``Trainer``): SAFE's f32 arithmetic, saturated back, may still
+    carry the run (a dense layer's fp16 output past 65504 from a kernel grown too large)."""
+    return _downshift(report, ran, gs, cfg, roll_back_huge=False)
+
+
 def _downshift(
-    report: Report, ran: GearState, gs: GearState, cfg: Config, nearest: str | None = None
+    report: Report,
+    ran: GearState,
+    gs: GearState,
+    cfg: Config,
+    nearest: str | None = None,
+    roll_back_huge: bool = True,
 ) -> Decision:
     """SAFE for the culprit's site; a repeat in SAFE means roll back. A culprit in no site:
     the whole model in SAFE, said plainly to be a fallback that cannot fix it.
@@ -493,7 +507,7 @@ def _downshift(
     any arithmetic on such a value overflows and SAFE at the culprit alone does not stop it
     (newuser48: a router weight x1e38 blamed on the next LayerNorm). One that comes from a
     parameter of the state: a rollback alone, at the checkpoint's gears."""
-    huge = _huge_parameter(report)
+    huge = _huge_parameter(report) if roll_back_huge else None
     if huge is not None:
         # The rollback removes the cause; no site's gear would (newuser49: the whole model
         # went to SAFE for an unsited culprit, and stayed at STABLE after, and the hint said

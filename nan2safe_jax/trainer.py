@@ -320,9 +320,20 @@ class Trainer:
         # (cause, checkpoint, whether it dropped the replay) of the last rollback for damage or
         # a huge weight (its keystr)
         self._rolled_back_for: tuple[str, int, bool] | None = None
-        # (checkpoint, ``incidents`` then) of the last restore, until a step applies on it
+        # (checkpoint, ``_failures`` then) of the last restore, until a step applies on it
         # (``_passed_over``)
         self._restored: tuple[int, int] | None = None
+        # Steps that raised an incident since the newest checkpoint: one failing again on a
+        # rollback's replay is the same incident, not counted again (newuser51).
+        self._failed_steps: set[int] = set()
+        self._failures = 0  # failed steps, each replay's too (``_passed_over`` counts them)
+        # The checkpoint of the last tier-2 rollback, and the one whose replay showed a batch
+        # (not the state) at fault: a batch failed there again in SAFE (``_incident``).
+        self._rolled_back_to: int | None = None
+        self._batches_at_fault: int | None = None
+        # (keystr, range top, checkpoint steps) of a weight every checkpoint kept held, once
+        # the gears were tried in its place (``_downshift_where_no_checkpoint_helps``)
+        self._huge_everywhere: tuple[str, float, list[int]] | None = None
         self.spikes = SpikeWatch(self.cfg)
         self.spike_rollbacks = 0
         self._lr_left = 0  # steps left at the lowered learning rate after a loss spike
@@ -831,6 +842,7 @@ class Trainer:
             raise
         if saved:
             self._checkpoint_due = False  # ``save()`` too: nothing waits past this one
+            self._failed_steps = {s for s in self._failed_steps if s >= step}
             if self.ring.maxlen != self.cfg.ring_size:  # ``_hold_ring`` grew it
                 self.ring = collections.deque(self.ring, maxlen=self.cfg.ring_size)
             self._checkpointed = weakref.ref(state)
@@ -854,6 +866,7 @@ class Trainer:
         )
         self.log.append("damaged", done.step, report=report.to_dict(), action=decision.action)
         self.incidents += 1  # bounded like any incident: damage that never stops ends the run
+        self._failures += 1
         self._stop_past_max_incidents(done, decision, m)
         return self._rollback(done, decision, m)
 
@@ -1023,7 +1036,12 @@ class Trainer:
         sharding_lib.agree([decision.kind, *where], "tier-2 decision")  # multi-process only
         # A batch reported as polluted input is skipped, and nothing else changes: a data
         # pipeline's NaN every few hundred steps must not end a long run at ``max_incidents``.
-        self.incidents += int(decision.kind != "polluted_input")
+        # A step failing again on a rollback's replay is the incident already counted.
+        again = done.replayed and done.step in self._failed_steps
+        self.incidents += int(decision.kind != "polluted_input" and not again)
+        if decision.kind != "polluted_input":
+            self._failed_steps.add(done.step)
+            self._failures += 1
         self._polluted_streak = (
             self._polluted_streak + 1 if decision.kind == "polluted_input" else 0
         )
@@ -1051,21 +1069,42 @@ class Trainer:
                 extra["hint"] = decision.hint
                 log.warning("step %d: %s", done.step, decision.hint)
             self.log.append("locate", done.step, report=rd, action=decision.action, **extra)
-            if decision.enter is not None:
-                enter = dict(decision.enter)
-                also = enter.pop("also", None)  # the site that made a near-overflow input
-                self.log.append("safe_enter", done.step, **enter)
-                if also is not None:
-                    self.log.append("safe_enter", done.step, **also, cause="magnitude origin")
+            self._log_safe_enters(done.step, decision)
             log.info("step %d: %s\n%s", done.step, decision.action, report)
         else:  # damaged
             self.log.append("damaged", done.step, report=rd, action=decision.action)
         self._stop_past_max_incidents(done, decision, m)
+        everywhere = self._huge_everywhere
+        if (
+            decision.restore
+            and everywhere is not None
+            and incidents.holds_huge(done.before, *everywhere[:2])
+        ):
+            # A rollback would restore a checkpoint holding the weight, and SAFE in its place
+            # did not help: nothing is left to try.
+            self._stop_where_no_checkpoint_helps(done, decision, everywhere[0], everywhere[2])
         if decision.restore and decision.kind == "repeat" and done.replayed:
             # The same batch fails in SAFE again on the replay after a rollback: the batch, not
             # the state, is at fault. Another rollback would loop; its step stays skipped.
+            # Batches, not the state, when the replay trained on the restored checkpoint
+            # first (a step applied since: ``_restored`` cleared); a checkpoint on which every
+            # replayed step fails may hold the fault itself (``_passed_over``).
+            self._batches_at_fault = self._rolled_back_to if self._restored is None else None
             self.log.append(
                 "error", done.step, detail="fails again after a rollback: batch skipped"
+            )
+        elif decision.restore and decision.kind == "repeat" and self._shown_batches_at_fault(done):
+            # A new batch fails in SAFE, and the rollback to the newest checkpoint already showed
+            # failures there are the batches', not the state's: another would only replay the
+            # batches known to fail (newuser51: a 4-step burst of bad batches outside any site
+            # made 9 incidents, two rollbacks to one checkpoint, and the run stopped).
+            self.log.append(
+                "error",
+                done.step,
+                detail=(
+                    "fails again in SAFE: batch skipped (the rollback to checkpoint "
+                    f"{self._batches_at_fault} showed batches, not the state, at fault)"
+                ),
             )
         elif decision.restore:
             restart = self._rollback(done, decision, m)
@@ -1078,6 +1117,25 @@ class Trainer:
         if decision.gear is not None:
             return _Restart(done.after.replace(gear=decision.gear))
         return None
+
+    def _log_safe_enters(self, step_no: int, decision) -> None:
+        """The ``safe_enter`` events of ``decision`` (a second for the site that made the
+        culprit's near-overflow input)."""
+        if decision.enter is None:
+            return
+        enter = dict(decision.enter)
+        also = enter.pop("also", None)
+        self.log.append("safe_enter", step_no, **enter)
+        if also is not None:
+            self.log.append("safe_enter", step_no, **also, cause="magnitude origin")
+
+    def _shown_batches_at_fault(self, done: _Step) -> bool:
+        """Whether the checkpoint a rollback from step ``done`` would restore (the newest at or
+        before it) is the one whose replay showed a batch at fault (``_incident``)."""
+        if self._batches_at_fault is None:
+            return False
+        newest = max((s for s in self.checkpoints.steps() if s <= done.step), default=None)
+        return newest == self._batches_at_fault
 
     def _rollback(self, done: _Step, decision, m: dict) -> _Restart | None:
         """Restores the newest finite checkpoint at or before step ``done`` with the new gears.
@@ -1097,11 +1155,12 @@ class Trainer:
         try:
             found = self._restore_newest(done.step, _refusing(huge))
         except _HeldByEveryCheckpoint as held:
-            self._stop_where_no_checkpoint_helps(done, decision, huge[0], held.steps)
+            return self._downshift_where_no_checkpoint_helps(done, decision, huge[0], held.steps)
         if found is None:
             self.log.append("error", done.step, detail="no finite checkpoint to roll back to")
             return None
         state, ckpt, extra = found
+        self._rolled_back_to = int(ckpt)
         self._checkpoint_due = False  # the run starts over from a checkpoint
         if decision.gear is not None:
             state = state.replace(gear=decision.gear)
@@ -1169,19 +1228,52 @@ class Trainer:
             decision.report,
         )
 
+    def _downshift_where_no_checkpoint_helps(
+        self, done: _Step, decision, keystr: str, steps
+    ) -> _Restart:
+        """The parameter the incident named huge is so in every checkpoint kept: no rollback
+        removes it. The gears may still carry the run (SAFE's f32 arithmetic saturated back:
+        a dense layer's fp16 output past 65504 from a kernel grown too large, the stand-in of
+        ``examples/nnx_cnn.py``): the culprit's site (or the whole model, unsited) goes to
+        SAFE in place, as if the weight had not been named (``incidents.downshift_in_place``).
+        Once that site already ran in SAFE, or a later incident asks for a rollback while the
+        state still holds the weight (``_incident``), nothing is left: the run stops
+        (``_stop_where_no_checkpoint_helps``)."""
+        gears = (done.before.gear, done.after.gear)
+        if self.rules is not None:
+            gears = sharding_lib.to_local(gears)
+        instead = incidents.downshift_in_place(decision.report, *gears, self.cfg)
+        if instead.kind == "repeat" or instead.gear is None:
+            self._stop_where_no_checkpoint_helps(done, decision, keystr, steps)
+        huge = incidents.huge_state_leaf(decision.report)
+        self._huge_everywhere = (keystr, huge[1], list(steps))
+        self.log.append(
+            "error",
+            done.step,
+            detail=(
+                f"the parameter {keystr} is near overflow in every checkpoint kept (steps "
+                f"{', '.join(map(str, steps))}): no rollback removes it; instead, "
+                f"{instead.action}"
+            ),
+        )
+        self._log_safe_enters(done.step, instead)
+        return _Restart(done.after.replace(gear=instead.gear))
+
     def _stop_where_no_checkpoint_helps(self, done: _Step, decision, keystr: str, steps):
         """The parameter the incident named huge (``incidents.huge_state_leaf``) is huge in
         every checkpoint kept, back to the oldest: it was made before that one (by its
         initialisation, or a growth slower than the checkpoints kept). No rollback removes it,
         and no gear does (``incidents._downshift``): restoring the oldest anyway would replay
         into the same fault, then drop the replayed batches, then stop naming the step count
-        (helper-80). Stops at once with ``NanIncidentError`` naming the weight and the
-        checkpoints, none deleted, the trainer left on the state the failed step started from
+        (helper-80). Once SAFE in place did not help either (``_downshift_where_no_checkpoint_
+        helps``), stops with ``NanIncidentError`` naming the weight and the checkpoints, none
+        deleted, the trainer left on the state the failed step started from
         (``_leave_before``: finite, the weight in it)."""
         detail = (
             f"the parameter {keystr} is near overflow in every checkpoint kept (steps "
             f"{', '.join(map(str, steps))}): it was made before the oldest, so no rollback "
-            "removes it, and no gear does. Rescale or re-initialise it in trainer.state and "
+            "removes it, and SAFE in place did not help. Rescale or re-initialise it in "
+            "trainer.state and "
             "trainer.save() it before fit() again (a resume restores the newest checkpoint, "
             "which holds it), or start from a new workdir; look at what grew it (the learning "
             "rate, the initialisation)"
@@ -1219,8 +1311,8 @@ class Trainer:
         """
         if self._restored is None:
             return []
-        ckpt, incidents_then = self._restored
-        return [ckpt] if self.incidents - incidents_then >= 2 else []
+        ckpt, failures_then = self._restored
+        return [ckpt] if self._failures - failures_then >= 2 else []
 
     @contextlib.contextmanager
     def _logging_warnings(self, step_no: int):
@@ -1272,7 +1364,7 @@ class Trainer:
             deleted = self.checkpoints.delete_after(ckpt)
             extra = {"passed_over": passed, "deleted_checkpoints": deleted}
         if self._restored is None or self._restored[0] != ckpt:
-            self._restored = (int(ckpt), self.incidents)
+            self._restored = (int(ckpt), self._failures)
         return state, int(ckpt), extra
 
     def _spike(self, done: _Step, spike: Spike) -> _Restart | None:
@@ -1303,7 +1395,7 @@ class Trainer:
             return None
         state, ckpt = found
         if self._restored is None or self._restored[0] != ckpt:
-            self._restored = (int(ckpt), self.incidents)
+            self._restored = (int(ckpt), self._failures)
         replay = [(s, b) for s, b in self.ring if ckpt <= s < spike.start]
         have = {s for s, _ in replay}
         missing = [s for s in range(ckpt, spike.start) if s not in have]

@@ -710,15 +710,16 @@ def test_a_checkpoint_every_step_refuses_is_passed_over_for_the_one_before(tmp_p
     hint = [e for e in ev if e["type"] == "locate"][0]["hint"]
     assert "(the largest: head.kernel (" in hint, hint
     rb = [e for e in ev if e["type"] == "rollback"]
-    assert [e["to_step"] for e in rb] == [4, 0] and tr.incidents == 5, _types(ev)
+    # 3 incidents: steps 4 and 5 failing again on the replay from checkpoint 4 are the same two
+    assert [e["to_step"] for e in rb] == [4, 0] and tr.incidents == 3, _types(ev)
     assert "passed_over" not in rb[0] and rb[1]["passed_over"] == [4], rb
     assert tr.checkpoints.steps()[:2] == [0, 5] and rb[-1]["missing"] == []
     assert not hist[-1]["skipped"] and float(jnp.abs(tr.state.params["head"]["kernel"]).max()) < 10
     tr.close()
 
-    # The same with max_incidents=3: the fourth incident stops the run, before the rollback
+    # The same with max_incidents=2: the third incident stops the run, before the rollback
     # that would pass checkpoint 4 over; the trainer is left on checkpoint 0 all the same.
-    cfg = CFG.replace(max_incidents=3)
+    cfg = CFG.replace(max_incidents=2)
     tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, cfg, tmp_path / "stop")
     tr.fit(batches[:4], steps=4)
     tr.state = tr.state.replace(params=jax.tree_util.tree_map(lambda a: a * 1e15, tr.state.params))
@@ -1234,3 +1235,30 @@ def test_an_exception_out_of_fit_finishes_the_step_in_flight_first(tmp_path):
         assert [m["step"] for m in read_metrics(tmp_path / "run")][-1] == 4
         assert tr.checkpoints.steps() == [0, 5]
         assert len(tr.fit(_batches(2), steps=2)) == 2 and tr.step == 7
+
+
+def test_a_burst_of_bad_batches_outside_every_site_costs_one_rollback_and_one_incident_each(
+    tmp_path,
+):
+    """newuser51: four bad batches in a row (a multiply in the loss, outside every site,
+    overflows on each). The second fails in SAFE and rolls back once to rule out a damaged
+    state; on the replay the first two fail again (the same incidents: not counted again) and
+    the second is skipped, so the batches are at fault. The third and fourth then fail in
+    SAFE too and are skipped without another rollback to the same checkpoint. Four incidents,
+    one rollback, and the run goes on; before, each new bad batch rolled back again and
+    replayed the known bad ones: 9 incidents and ``NanIncidentError`` at ``max_incidents`` 8."""
+    x, y = data(16)
+    batches = [(x[i], y[i], 3e38 if 9 <= i <= 12 else 1.0) for i in range(16)]
+
+    def loss(m, b):
+        return jnp.mean(jnp.square(m(b[0]).astype(jnp.float32) * b[2] - b[1]))
+
+    with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss, CFG, tmp_path) as tr:
+        hist = tr.fit(batches, steps=16)
+        ev = tr.events
+    assert tr.incidents == 4 and tr.rollbacks == 1, _types(ev)
+    (rb,) = [e for e in ev if e["type"] == "rollback"]
+    assert (rb["step"], rb["to_step"]) == (10, 5), rb
+    skipped = [e["step"] for e in ev if e["type"] == "error" and "batch skipped" in e["detail"]]
+    assert skipped == [10, 11, 12], [e for e in ev if e["type"] == "error"]
+    assert tr.step == 16 and np.isfinite(hist[-1]["loss"])
