@@ -116,6 +116,41 @@ class _HeldByEveryCheckpoint(Exception):
         self.steps = steps
 
 
+# Events said through ``logging`` too (logger ``nan2safe_jax.trainer``), by level; a ``locate``
+# is logged where it is decided (``_incident``), a checkpoint or a skip at DEBUG. Before, only
+# the locate was: a skipped NaN batch, a downshift, a rollback and a recovery reached neither
+# the console nor the log (newuser51).
+_WARNING_EVENTS = frozenset(
+    {"rollback", "polluted_input", "damaged", "error", "stop_restore", "spike", "transient",
+     "clipping"}
+)  # fmt: skip
+_INFO_EVENTS = frozenset(
+    {"downshift", "recover", "safe_enter", "safe_exit", "resume", "lr_restore", "data_end"}
+)
+_EVENT_FIELDS = (
+    "from", "to", "site", "scope", "steps", "to_step", "replayed", "dropped", "passed_over",
+    "leaf", "rows", "trigger", "reason", "detail", "cause",
+)  # fmt: skip
+
+
+def _echo_event(record: dict) -> None:
+    """Logs one event record (``EventLog.echo``) at its type's level."""
+    kind = record.get("type")
+    level = (
+        logging.WARNING
+        if kind in _WARNING_EVENTS
+        else logging.INFO
+        if kind in _INFO_EVENTS
+        else logging.DEBUG
+        if kind != "locate"
+        else None
+    )
+    if level is None or not log.isEnabledFor(level):
+        return
+    fields = "  ".join(f"{k}={record[k]}" for k in _EVENT_FIELDS if k in record)
+    log.log(level, "step %s: %s  %s", record.get("step"), kind, fields)
+
+
 def _refusing(huge: tuple[str, float] | None):
     """``Trainer._restore_newest``'s ``refuse`` for a rollback from a parameter made huge
     (``incidents.huge_state_leaf``): a checkpoint that still holds it; None for no refusal."""
@@ -310,6 +345,7 @@ class Trainer:
                 pass  # that save never finished: the resume below says so
         self.checkpoints = Checkpointer(self.workdir / "checkpoints")
         self.log = EventLog(sharding_lib.log_dir(self.workdir))  # one log per process
+        self.log.echo = _echo_event
         # (step, batch) of the latest finished steps: what a rollback replays.
         self.ring: collections.deque = collections.deque(maxlen=self.cfg.ring_size)
         self.incidents = 0
@@ -334,6 +370,7 @@ class Trainer:
         # (keystr, range top, checkpoint steps) of a weight every checkpoint kept held, once
         # the gears were tried in its place (``_downshift_where_no_checkpoint_helps``)
         self._huge_everywhere: tuple[str, float, list[int]] | None = None
+        self._clipped: list[bool] | None = []  # FAST steps clipped (``_note_clipping``)
         self.spikes = SpikeWatch(self.cfg)
         self.spike_rollbacks = 0
         self._lr_left = 0  # steps left at the lowered learning rate after a loss spike
@@ -571,7 +608,7 @@ class Trainer:
                 "workdir): create a new one to go on"
             )
         history: list[dict] = []
-        bar = _Progress(steps) if self.progress else None
+        bar = _Progress(steps, self.step) if self.progress else None
         source = iter(batches)
         queued: collections.deque = collections.deque()  # (batch, is_replay) to run first
         drawn = 0
@@ -728,6 +765,7 @@ class Trainer:
         m = _host(done.metrics)
         if not m["skipped"]:
             self._restored = None  # a step trained on the restored checkpoint: it holds
+            self._note_clipping(done.step, m)
         decided = None
         if m["overflow"] and not self._loss_scale_matters(done):
             decided = self._overflow_decision(done, m)
@@ -1117,6 +1155,29 @@ class Trainer:
         if decision.gear is not None:
             return _Restart(done.after.replace(gear=decision.gear))
         return None
+
+    _CLIP_STEPS = 50  # FAST steps ``_note_clipping`` reads before it says anything
+
+    def _note_clipping(self, step_no: int, m: dict) -> None:
+        """Says once (a ``clipping`` event, a warning) when ``cfg.clip_norm`` clipped at least
+        90% of the first ``_CLIP_STEPS`` applied FAST steps: then training is not plain
+        optax's. newuser51's healthy CNN (gradient norm ~3.9) was clipped at 1.0 on 150 of 150
+        steps and ended at a higher loss than its plain loop, with nothing said."""
+        clip = self.cfg.clip_norm
+        if clip is None or self._clipped is None or int(m["gear"]) != Gear.FAST:
+            return
+        self._clipped.append(bool(m["grad_norm"] > clip))
+        if len(self._clipped) < self._CLIP_STEPS:
+            return
+        share = sum(self._clipped) / len(self._clipped)
+        self._clipped = None  # said once, or never
+        if share >= 0.9:
+            detail = (
+                f"clip_norm={clip} clipped {100 * share:.0f}% of the first {self._CLIP_STEPS} "
+                f"FAST steps (gradient norm {m['grad_norm']:.3g} at step {step_no}): training "
+                "is not plain optax's. Raise it, or pass Config(clip_norm=None) to clip nothing"
+            )
+            self.log.append("clipping", step_no, detail=detail, share=share)
 
     def _log_safe_enters(self, step_no: int, decision) -> None:
         """The ``safe_enter`` events of ``decision`` (a second for the site that made the
@@ -1547,24 +1608,27 @@ def load_incident(workdir, step: int, template):
 
 class _Progress:
     """A progress bar on a terminal or in a notebook; elsewhere (a batch job's log file, where
-    rich draws only once, at the end) a plain line every tenth of the run."""
+    rich draws only once, at the end) a plain line every tenth of the run. It shows the
+    trainer's step (``start`` + the steps trained), which a rollback moves back: counting the
+    finished steps instead read ``step 105/150`` at step 67 after replays, and ``10/100`` at
+    step 60 after a resume (newuser51)."""
 
-    def __init__(self, total: int):
+    def __init__(self, total: int, start: int = 0):
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         console = Console()
-        self._total, self._done = total, 0
+        self._total, self._done, self._start = total, 0, start
         self._lines = not (console.is_terminal or console.is_jupyter)
         if self._lines:
             return
         self._p = Progress(
-            TextColumn("step {task.completed}/{task.total}"),
+            TextColumn("step {task.fields[step]}/{task.fields[last]}"),
             BarColumn(),
             TextColumn("{task.fields[info]}"),
             TimeRemainingColumn(),
         )
-        self._task = self._p.add_task("train", total=total, info="")
+        self._task = self._p.add_task("train", total=total, info="", step=start, last=start + total)
         self._p.start()
 
     def update(self, m: dict) -> None:
@@ -1573,10 +1637,14 @@ class _Progress:
             f"scale {m['loss_scale']:.3g}"
         )
         self._done += 1
+        step = int(m["step"]) + 1  # steps trained, as ``trainer.step`` counts them
+        if m.get("replay"):
+            info += "  (replayed after a rollback)"
         if not self._lines:
-            self._p.update(self._task, advance=1, info=info)
-        elif self._done % max(1, self._total // 10) == 0 or self._done == self._total:
-            print(f"step {self._done}/{self._total}  {info}", flush=True)
+            done = min(max(step - self._start, 0), self._total)
+            self._p.update(self._task, completed=done, info=info, step=step)
+        elif self._done % max(1, self._total // 10) == 0 or step == self._start + self._total:
+            print(f"step {step}/{self._start + self._total}  {info}", flush=True)
 
     def close(self) -> None:
         if not self._lines:

@@ -245,7 +245,8 @@ def test_a_failed_save_raised_by_a_rollbacks_wait_is_logged_too(tmp_path, monkey
 
 def test_clean_run_checkpoints_and_logs(tmp_path, capsys):
     """Also: the progress shown where stdout is no terminal (a batch job's log) is a line per
-    tenth of the run (rich drew once, at the end), and ``steps`` may be a NumPy integer."""
+    tenth of the run (rich drew once, at the end) naming the trainer's step, and ``steps`` may
+    be a NumPy integer."""
     run = tmp_path / "run"
     tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, run, progress=True)
     hist = tr.fit(_batches(12), steps=12)
@@ -259,6 +260,9 @@ def test_clean_run_checkpoints_and_logs(tmp_path, capsys):
     # An iterator shorter than ``steps`` ends ``fit`` early, said once in the log.
     more = tr.fit(iter(_batches(3, seed=1)), steps=np.int64(5))
     assert len(more) == 3 and tr.step == 15
+    # the progress counts the trainer's steps, not this call's records (newuser51)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
+    assert [ln.split()[1] for ln in lines] == ["13/17", "14/17", "15/17"], lines
     (end,) = [e for e in tr.events if e["type"] == "data_end"]
     assert (end["step"], end["drawn"], end["steps"]) == (15, 3, 5)
 
@@ -1238,7 +1242,7 @@ def test_an_exception_out_of_fit_finishes_the_step_in_flight_first(tmp_path):
 
 
 def test_a_burst_of_bad_batches_outside_every_site_costs_one_rollback_and_one_incident_each(
-    tmp_path,
+    tmp_path, caplog
 ):
     """newuser51: four bad batches in a row (a multiply in the loss, outside every site,
     overflows on each). The second fails in SAFE and rolls back once to rule out a damaged
@@ -1246,19 +1250,42 @@ def test_a_burst_of_bad_batches_outside_every_site_costs_one_rollback_and_one_in
     the second is skipped, so the batches are at fault. The third and fourth then fail in
     SAFE too and are skipped without another rollback to the same checkpoint. Four incidents,
     one rollback, and the run goes on; before, each new bad batch rolled back again and
-    replayed the known bad ones: 9 incidents and ``NanIncidentError`` at ``max_incidents`` 8."""
+    replayed the known bad ones: 9 incidents and ``NanIncidentError`` at ``max_incidents`` 8.
+    The rollback, the skips and the SAFE stay are said through ``logging`` too (they were
+    only in ``events.jsonl``)."""
     x, y = data(16)
     batches = [(x[i], y[i], 3e38 if 9 <= i <= 12 else 1.0) for i in range(16)]
 
     def loss(m, b):
         return jnp.mean(jnp.square(m(b[0]).astype(jnp.float32) * b[2] - b[1]))
 
+    caplog.set_level("INFO", logger="nan2safe_jax.trainer")
     with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss, CFG, tmp_path) as tr:
         hist = tr.fit(batches, steps=16)
         ev = tr.events
     assert tr.incidents == 4 and tr.rollbacks == 1, _types(ev)
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    rolled = [m for lv, m in said if lv == "WARNING" and "rollback" in m.split("  ")[0]]
+    assert len(rolled) == 1 and rolled[0].startswith("step 10: rollback  to_step=5"), said
+    assert sum("batch skipped" in m for lv, m in said if lv == "WARNING") == 3, said
+    assert any(lv == "INFO" and ": safe_enter  site=None  scope=global" in m for lv, m in said)
     (rb,) = [e for e in ev if e["type"] == "rollback"]
     assert (rb["step"], rb["to_step"]) == (10, 5), rb
     skipped = [e["step"] for e in ev if e["type"] == "error" and "batch skipped" in e["detail"]]
     assert skipped == [10, 11, 12], [e for e in ev if e["type"] == "error"]
     assert tr.step == 16 and np.isfinite(hist[-1]["loss"])
+
+
+def test_a_clip_that_clips_almost_every_step_is_said_once(tmp_path, caplog):
+    """newuser51: the default ``clip_norm`` 1.0 clipped all 150 steps of a healthy CNN, and
+    nothing said so. After 50 FAST steps of which 90% or more were clipped, one ``clipping``
+    event (and a warning) names the threshold and the share; nothing more after it."""
+    caplog.set_level("WARNING", logger="nan2safe_jax.trainer")
+    cfg = CFG.replace(clip_norm=1e-4, checkpoint_every=100)
+    with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, cfg, tmp_path) as tr:
+        tr.fit(_batches(60), steps=60)
+        (said,) = [e for e in tr.events if e["type"] == "clipping"]
+    assert said["step"] == 49 and said["share"] == 1.0, said
+    assert "clip_norm=0.0001 clipped 100% of the first 50" in said["detail"], said
+    assert "Config(clip_norm=None)" in said["detail"]
+    assert sum("clipping" in r.getMessage() for r in caplog.records) == 1

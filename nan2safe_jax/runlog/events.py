@@ -27,7 +27,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +218,8 @@ class EventLog:
         self._events = self._open(self.workdir / EVENTS_FILE)
         self._event_records = read_events(self.workdir)  # earlier runs in this workdir
         self._metrics = self._open(self.workdir / METRICS_FILE)
+        # called with each record ``append`` writes (the Trainer logs its events with it)
+        self.echo: Callable[[dict[str, Any]], None] | None = None
 
     @staticmethod
     def _open(path: Path):
@@ -263,6 +265,8 @@ class EventLog:
             kept["risk"] = _as_float(kept["risk"])
         with self._lock:
             self._event_records.append(kept)
+        if self.echo is not None:
+            self.echo(record)
         return record
 
     def log_metrics(self, record: Mapping[str, Any]) -> None:
