@@ -147,7 +147,12 @@ def _echo_event(record: dict) -> None:
     )
     if level is None or not log.isEnabledFor(level):
         return
-    fields = "  ".join(f"{k}={record[k]}" for k in _EVENT_FIELDS if k in record)
+
+    def short(v) -> str:  # a list of thousands of rows, a multi-line detail: one short line
+        text = " ".join(str(v).split())
+        return text if len(text) <= 160 else text[:157] + "..."
+
+    fields = "  ".join(f"{k}={short(record[k])}" for k in _EVENT_FIELDS if k in record)
     log.log(level, "step %s: %s  %s", record.get("step"), kind, fields)
 
 
@@ -371,6 +376,7 @@ class Trainer:
         # the gears were tried in its place (``_downshift_where_no_checkpoint_helps``)
         self._huge_everywhere: tuple[str, float, list[int]] | None = None
         self._clipped: list[bool] | None = []  # FAST steps clipped (``_note_clipping``)
+        self._skips_in_a_row = 0  # new batches skipped as at fault, no rollback in between
         self.spikes = SpikeWatch(self.cfg)
         self.spike_rollbacks = 0
         self._lr_left = 0  # steps left at the lowered learning rate after a loss spike
@@ -765,7 +771,8 @@ class Trainer:
         m = _host(done.metrics)
         if not m["skipped"]:
             self._restored = None  # a step trained on the restored checkpoint: it holds
-            self._note_clipping(done.step, m)
+            self._skips_in_a_row = 0
+            self._note_clipping(done, m)
         decided = None
         if m["overflow"] and not self._loss_scale_matters(done):
             decided = self._overflow_decision(done, m)
@@ -1112,26 +1119,21 @@ class Trainer:
         else:  # damaged
             self.log.append("damaged", done.step, report=rd, action=decision.action)
         self._stop_past_max_incidents(done, decision, m)
-        everywhere = self._huge_everywhere
-        if (
-            decision.restore
-            and everywhere is not None
-            and incidents.holds_huge(done.before, *everywhere[:2])
-        ):
-            # A rollback would restore a checkpoint holding the weight, and SAFE in its place
-            # did not help: nothing is left to try.
-            self._stop_where_no_checkpoint_helps(done, decision, everywhere[0], everywhere[2])
         if decision.restore and decision.kind == "repeat" and done.replayed:
             # The same batch fails in SAFE again on the replay after a rollback: the batch, not
             # the state, is at fault. Another rollback would loop; its step stays skipped.
             # Batches, not the state, when the replay trained on the restored checkpoint
             # first (a step applied since: ``_restored`` cleared); a checkpoint on which every
             # replayed step fails may hold the fault itself (``_passed_over``).
-            self._batches_at_fault = self._rolled_back_to if self._restored is None else None
+            # Only a step that failed before the rollback says so: a new failure on the replay
+            # points at the state or the new gears.
+            shown = again and self._restored is None
+            self._batches_at_fault = self._rolled_back_to if shown else None
             self.log.append(
                 "error", done.step, detail="fails again after a rollback: batch skipped"
             )
         elif decision.restore and decision.kind == "repeat" and self._shown_batches_at_fault(done):
+            self._skips_in_a_row += 1
             # A new batch fails in SAFE, and the rollback to the newest checkpoint already showed
             # failures there are the batches', not the state's: another would only replay the
             # batches known to fail (newuser51: a 4-step burst of bad batches outside any site
@@ -1144,7 +1146,13 @@ class Trainer:
                     f"{self._batches_at_fault} showed batches, not the state, at fault)"
                 ),
             )
+        elif decision.restore and self._holds_huge_everywhere(done):
+            # A rollback would restore a checkpoint holding the weight: the gears in place
+            # again (a SAFE stay that ran out), or the stop once SAFE did not help.
+            keystr, _, steps = self._huge_everywhere
+            return self._downshift_where_no_checkpoint_helps(done, decision, keystr, steps)
         elif decision.restore:
+            self._skips_in_a_row = 0
             restart = self._rollback(done, decision, m)
             if restart is not None:
                 return restart
@@ -1158,13 +1166,13 @@ class Trainer:
 
     _CLIP_STEPS = 50  # FAST steps ``_note_clipping`` reads before it says anything
 
-    def _note_clipping(self, step_no: int, m: dict) -> None:
+    def _note_clipping(self, done: _Step, m: dict) -> None:
         """Says once (a ``clipping`` event, a warning) when ``cfg.clip_norm`` clipped at least
         90% of the first ``_CLIP_STEPS`` applied FAST steps: then training is not plain
         optax's. newuser51's healthy CNN (gradient norm ~3.9) was clipped at 1.0 on 150 of 150
         steps and ended at a higher loss than its plain loop, with nothing said."""
         clip = self.cfg.clip_norm
-        if clip is None or self._clipped is None or int(m["gear"]) != Gear.FAST:
+        if clip is None or self._clipped is None or done.replayed or int(m["gear"]) != 0:
             return
         self._clipped.append(bool(m["grad_norm"] > clip))
         if len(self._clipped) < self._CLIP_STEPS:
@@ -1174,10 +1182,10 @@ class Trainer:
         if share >= 0.9:
             detail = (
                 f"clip_norm={clip} clipped {100 * share:.0f}% of the first {self._CLIP_STEPS} "
-                f"FAST steps (gradient norm {m['grad_norm']:.3g} at step {step_no}): training "
+                f"FAST steps (gradient norm {m['grad_norm']:.3g} at step {done.step}): training "
                 "is not plain optax's. Raise it, or pass Config(clip_norm=None) to clip nothing"
             )
-            self.log.append("clipping", step_no, detail=detail, share=share)
+            self.log.append("clipping", done.step, detail=detail, share=share)
 
     def _log_safe_enters(self, step_no: int, decision) -> None:
         """The ``safe_enter`` events of ``decision`` (a second for the site that made the
@@ -1192,11 +1200,28 @@ class Trainer:
 
     def _shown_batches_at_fault(self, done: _Step) -> bool:
         """Whether the checkpoint a rollback from step ``done`` would restore (the newest at or
-        before it) is the one whose replay showed a batch at fault (``_incident``)."""
-        if self._batches_at_fault is None:
+        before it, once pending saves are written) is the one whose replay showed a batch at
+        fault (``_incident``), and fewer than two batches in a row were skipped on that
+        ground since (a state damaged after it, by a moment no check names, still gets its
+        rollback). Every process decides alike (``sharding.agree``)."""
+        if self._batches_at_fault is None or self._skips_in_a_row >= 2:
             return False
+        self.checkpoints.wait()
         newest = max((s for s in self.checkpoints.steps() if s <= done.step), default=None)
-        return newest == self._batches_at_fault
+        shown = newest == self._batches_at_fault
+        sharding_lib.agree(shown, "batch at fault")  # multi-process only
+        return shown
+
+    def _holds_huge_everywhere(self, done: _Step) -> bool:
+        """Whether the state step ``done`` started from still holds the weight every
+        checkpoint held (``_downshift_where_no_checkpoint_helps``); forgets it once not."""
+        everywhere = self._huge_everywhere
+        if everywhere is None:
+            return False
+        if incidents.holds_huge(done.before, *everywhere[:2]):
+            return True
+        self._huge_everywhere = None
+        return False
 
     def _rollback(self, done: _Step, decision, m: dict) -> _Restart | None:
         """Restores the newest finite checkpoint at or before step ``done`` with the new gears.
@@ -1457,6 +1482,9 @@ class Trainer:
         state, ckpt = found
         if self._restored is None or self._restored[0] != ckpt:
             self._restored = (int(ckpt), self._failures)
+        # the batches after the spike are skipped: a step number holds another batch now
+        self._failed_steps.clear()
+        self._rolled_back_to, self._batches_at_fault = int(ckpt), None
         replay = [(s, b) for s, b in self.ring if ckpt <= s < spike.start]
         have = {s for s, _ in replay}
         missing = [s for s in range(ckpt, spike.start) if s not in have]

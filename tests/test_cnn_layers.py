@@ -282,6 +282,12 @@ def _convs(jaxpr, in_other: bool = False) -> list[bool]:
     return found
 
 
+_CPU_ONLY = pytest.mark.skipif(
+    jax.default_backend() != "cpu", reason="the convolution is hoisted on the CPU only"
+)
+
+
+@_CPU_ONLY
 @pytest.mark.parametrize("xdt", [F32, BF16, F16])
 @pytest.mark.parametrize("gear", [1, 2])
 @pytest.mark.parametrize("switched", [False, True], ids=["general", "switched"])
@@ -319,6 +325,7 @@ def test_in_the_train_step_a_conv_out_of_fast_convolves_outside_the_switch(xdt, 
     assert any(_convs(jax.make_jaxpr(grad())(x, kernel, g).jaxpr))
 
 
+@_CPU_ONLY
 def test_the_train_steps_general_program_convolves_outside_the_switch():
     """The train step traces its model inside ``dispatch.hoisting``: its general program (a
     gear switched at run time) holds no convolution in a STABLE or SAFE branch."""

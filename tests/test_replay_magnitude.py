@@ -426,7 +426,9 @@ def test_a_weight_huge_in_every_checkpoint_is_carried_by_safe_in_place(tmp_path)
     layer's 16-term dot products pass 65504. No rollback removes it; SAFE at the layer, in
     place (f32 arithmetic, saturated back to fp16), carries the run: one incident, the
     ``error`` event saying why, the layer in SAFE, every later loss finite. Before, the
-    oldest checkpoint was restored and replayed into the same fault until the run stopped."""
+    oldest checkpoint was restored and replayed into the same fault until the run stopped.
+    With short SAFE and STABLE stays, the layer returns to FAST and fails again: each time
+    the gears are tried in place again, never a rollback or a stop (review helper-84)."""
     rng = np.random.default_rng(0)
     batches = [jnp.asarray(rng.normal(size=(8, 16)), jnp.float32) for _ in range(8)]
     cfg = Config(checkpoint_every=2, safe_max_steps=20, recovery_window=8, min_history=8)
@@ -442,6 +444,17 @@ def test_a_weight_huge_in_every_checkpoint_is_carried_by_safe_in_place(tmp_path)
     assert [e["site"] for e in ev if e["type"] == "safe_enter"] == ["lin"]
     bad = [i for i, h in enumerate(hist) if not np.isfinite(h["loss"])]
     assert len(bad) == 1 and tried["step"] == hist[bad[0]]["step"] and bad[0] < len(hist) - 2
+
+    short = cfg.replace(safe_max_steps=1, recovery_window=2)
+    model = _Fp16Dense(rngs=nnx.Rngs(0))
+    model.lin.kernel[...] = model.lin.kernel[...] * 3e4
+    with nan2safe.Trainer(model, optax.sgd(1e-3), loss, short, tmp_path / "short") as tr:
+        tr.fit(batches * 3, steps=24)
+        ev = tr.events
+    tried = [e for e in ev if e["type"] == "error"]
+    assert tr.incidents >= 2 and len(tried) == tr.incidents, [e["type"] for e in ev]
+    assert all("no rollback removes it; instead" in e["detail"] for e in tried), tried
+    assert not [e for e in ev if e["type"] in ("rollback", "stop_restore")]
 
 
 def _report(site, origin_site=None, argument=None):
