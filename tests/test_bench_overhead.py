@@ -1,5 +1,6 @@
 """benchmarks/overhead.py: the compile record over repeated runs (no compile here)."""
 
+import numpy as np
 import pytest
 
 
@@ -286,7 +287,9 @@ def test_donate_makes_each_arm_step_in_place(bench, arm):
         losses = [float(run(batch)) for _ in range(2)]
         kept[donate] = (leaf.is_deleted(), losses)
     assert kept[False][0] is False and kept[True][0] is True
-    assert kept[False][1] == kept[True][1]  # the same steps either way
+    # the same steps either way (two programs: XLA may round the second loss an ulp or two
+    # apart, as it did on this VM on 2026-12-07 for the nan2safe arm, at the code before too)
+    np.testing.assert_allclose(kept[False][1], kept[True][1], rtol=1e-6)
 
 
 def test_phases_of_each_run_give_the_arm_their_medians_and_a_table_line(bench):
