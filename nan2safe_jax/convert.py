@@ -252,8 +252,9 @@ class ConvertReport:
         if any(a.reason == _USER_CODE for a in self.left_alone):
             lines.append(
                 "(user code outside every site: tier 2 can name an equation there but no gear "
-                "reaches it, and tier 1 has no probe there (a hand-written attention's logits "
-                "are not watched); wrap risky numerics in nan2safe.nn.Site)"
+                "reaches it, and tier 1 has no probe there: what that code computes, an "
+                "activation, a residual sum or a hand-written attention's logits, is not "
+                "watched; wrap risky numerics in nan2safe.nn.Site)"
             )
         return "\n".join(lines)
 
