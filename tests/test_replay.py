@@ -21,7 +21,7 @@ from jax import lax
 
 from nan2safe_jax import ops, probe, replay
 from nan2safe_jax.gear import Gear
-from nan2safe_jax.replay import Report, locate, locate_step
+from nan2safe_jax.replay import Report, cache, locate, locate_step
 
 DTYPES = [jnp.float16, jnp.bfloat16, jnp.float32]
 _SRC = inspect.getsource(inspect.getmodule(inspect.currentframe())).splitlines()
@@ -702,8 +702,37 @@ def test_locate_step_on_jitted_train_step():
     clean = locate_step(step, w, jnp.ones((4, 3)))
     assert not clean.reproducible and clean.diagnosis == replay.NOT_REPRODUCIBLE
     assert "not reproducible" in str(clean)
-    # the forward prefix's flags replay, then the whole step's: neither found anything
-    assert clean.replays == 2
+    # the forward prefix's flags replay, then the whole step's: neither found anything; on the
+    # CPU both again, compiled as production is (``cache.production_options``)
+    assert clean.replays == (4 if cache.quick() else 2)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="LLVM's level is set on the CPU")
+def test_replays_that_do_not_reproduce_with_llvm_off_run_again_as_production(monkeypatch):
+    """Replays compile with LLVM's optimisation off on the CPU (a third of a demo-size
+    locate); should they not reproduce the step (LLVM's rounding moved the fault), the whole
+    pass runs again compiled as production is, and its report stands."""
+    import importlib
+
+    locate_mod = importlib.import_module("nan2safe_jax.replay.locate")  # (``replay.locate`` is
+    # the function)
+
+    seen, real = [], locate_mod._run
+
+    def run(jaxpr, args, expected=None, **kw):
+        seen.append(cache.quick())
+        report, sess = real(jaxpr, args, expected, **kw)
+        return (None if cache.quick() else report), sess  # the quick pass "finds nothing"
+
+    monkeypatch.setattr(locate_mod, "_run", run)
+
+    @jax.jit
+    def step(w, x):
+        return jnp.log(x @ w).sum()
+
+    r = locate_step(step, jnp.ones((3, 2)), jnp.ones((4, 3)).at[1].set(-1.0))
+    assert seen == [True, False] and r.reproducible and r.primitive == "log", (seen, r)
+    assert cache.quick()  # the context is left as it was
 
 
 def test_second_incident_on_a_fresh_trace_reuses_compiled_replays():

@@ -9,7 +9,7 @@ from jax import lax
 from nan2safe_jax import ops
 from nan2safe_jax.gear import Gear
 from nan2safe_jax.replay import _jax_compat as jc
-from nan2safe_jax.replay import branches, locate
+from nan2safe_jax.replay import branches, cache, locate
 from nan2safe_jax.replay.search import Session
 
 
@@ -46,7 +46,7 @@ def test_a_gear_index_is_known_and_compiled_alone(gear):
     sess, top, consts, leaves, known = _known(f, x, jnp.int32(gear))
     assert list(known.values()) == [gear]
     sess.flags("top", top, list(consts), leaves, jc.empty_name_stack(), top=True)
-    key = ("flags", "top", True, tuple(sorted(known.items())))
+    key = (("flags", "top", True, tuple(sorted(known.items()))), cache.quick())
     hlo = sess._jits[key].lower(list(consts), leaves).compile().as_text()
     assert "conditional" not in hlo
 

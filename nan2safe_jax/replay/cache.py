@@ -6,14 +6,20 @@ So compiled replays are kept per *program fingerprint* and, inside it, per struc
 replay (which level, which pass, which target equations): a second incident on a step of the same
 shapes compiles nothing.
 
-Replays are compiled with the production step's options: plain ``jax.jit``, XLA's default
-pipeline (fusion on, default optimization level), so the values a replay computes are the values
-the step computes; ``locate_step`` checks this on the step's outputs (``Report.reproducible``).
+Replays are compiled with XLA's default pipeline (its passes and fusion as the production
+step's), and on the CPU with LLVM's own optimisation off (``xla_backend_optimization_level``
+0): a replay runs once or twice, and LLVM at -O3 was a third of a demo-size locate (13-17 s
+cold, 9-11 s with it off, the same culprit). The values are the step's to the last bits or
+so; ``locate_step`` checks the replays on the step's outputs (``Report.reproducible``) and,
+should they not reproduce them, replays again compiled exactly as production
+(``production_options``).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 from typing import Any
 
 import jax
@@ -98,6 +104,26 @@ def compiled_stats(jitted: Any, *args: Any) -> dict[str, int]:
     }
 
 
+_QUICK: contextvars.ContextVar[bool] = contextvars.ContextVar("nan2safe_quick", default=True)
+_QUICK_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+def quick() -> bool:
+    """Whether replays compile with LLVM's optimisation off (the CPU, outside
+    ``production_options``)."""
+    return _QUICK.get() and jax.default_backend() == "cpu"
+
+
+@contextlib.contextmanager
+def production_options():
+    """Replays traced inside compile exactly as the production step: plain ``jax.jit``."""
+    token = _QUICK.set(False)
+    try:
+        yield
+    finally:
+        _QUICK.reset(token)
+
+
 def jit(fn: Any) -> Any:
-    """A replay compiled as the production step is: plain ``jax.jit``, default XLA options."""
-    return jax.jit(fn)
+    """A replay's ``jax.jit``: XLA's defaults, LLVM's optimisation off while ``quick``."""
+    return jax.jit(fn, compiler_options=_QUICK_OPTIONS) if quick() else jax.jit(fn)

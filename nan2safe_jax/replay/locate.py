@@ -31,7 +31,7 @@ import numpy as np
 
 from nan2safe_jax import programs
 from nan2safe_jax.replay import _jax_compat as jc
-from nan2safe_jax.replay import interpret, magnitude, reach, rules
+from nan2safe_jax.replay import cache, interpret, magnitude, reach, rules
 from nan2safe_jax.replay.report import (
     NOT_REPRODUCIBLE,
     EqnRef,
@@ -533,16 +533,27 @@ def locate_replayed(step_fn: Any, *args: Any, check: bool = True) -> tuple[Repor
     traced = jax.make_jaxpr(production)(*args) if check else None
     compiled = programs.compiled_programs(step_fn, production) if check else []
     expected = _production_codes(production, traced, args, compiled) if check else None
-    replays = 0
-    for k, program in enumerate(candidates):
-        jaxpr = traced if program is production and check else jax.make_jaxpr(program)(*args)
-        report, sess = _run(jaxpr, args, expected)
-        replays += sess.replays
-        if report is not None and (report.reproducible or k == len(candidates) - 1):
-            break
-    else:
-        why = "a replay of the step from the same inputs produced only finite values"
-        report = _not_reproducible(why, sess, t0)
+    report, program, replays = _through(candidates, production, traced, args, expected, t0)
+    if not report.reproducible and cache.quick():
+        # compiled as production is, in case LLVM's optimisation decided the difference
+        with cache.production_options():
+            report, program, more = _through(candidates, production, traced, args, expected, t0)
+        replays += more
     # Every replay, and the whole time (the trace and the production run included).
     report = dataclasses.replace(report, replays=replays, seconds=time.perf_counter() - t0)
     return report, program
+
+
+def _through(candidates, production, traced, args, expected, t0) -> tuple[Report, Any, int]:
+    """``locate_replayed``'s pass over the candidate programs: ``(report, the program it
+    indexes, replays)``; the first reproducible report, else the last program's."""
+    replays = 0
+    for k, program in enumerate(candidates):
+        jaxpr = traced if program is production and traced is not None else None
+        jaxpr = jax.make_jaxpr(program)(*args) if jaxpr is None else jaxpr
+        report, sess = _run(jaxpr, args, expected)
+        replays += sess.replays
+        if report is not None and (report.reproducible or k == len(candidates) - 1):
+            return report, program, replays
+    why = "a replay of the step from the same inputs produced only finite values"
+    return _not_reproducible(why, sess, t0), program, replays

@@ -191,6 +191,7 @@ class Session:
         """Runs the replay ``fn`` (compiled once per ``key`` and argument shapes); inside a
         ``shard_map`` body (``shard``), on every shard, with results stacked. ``replay=False``:
         a helper program over small values (``branches.py``), not counted as a replay."""
+        key = (key, cache.quick())  # compiled with LLVM's optimisation off, or not
         jitted = self._jits.get(key)
         if jitted is None:
             jitted = self._jits[key] = cache.jit(shard.wrap(fn, stacked) if shard else fn)
