@@ -1282,10 +1282,15 @@ def test_a_clip_that_clips_almost_every_step_is_said_once(tmp_path, caplog):
     event (and a warning) names the threshold and the share; nothing more after it."""
     caplog.set_level("WARNING", logger="nan2safe_jax.trainer")
     cfg = CFG.replace(clip_norm=1e-4, checkpoint_every=100)
-    with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, cfg, tmp_path) as tr:
+    with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, cfg, tmp_path / "a") as tr:
         tr.fit(_batches(60), steps=60)
         (said,) = [e for e in tr.events if e["type"] == "clipping"]
     assert said["step"] == 49 and said["share"] == 1.0, said
     assert "clip_norm=0.0001 clipped 100% of the first 50" in said["detail"], said
     assert "Config(clip_norm=None)" in said["detail"]
     assert sum("clipping" in r.getMessage() for r in caplog.records) == 1
+    # a threshold the gradients stay under says nothing
+    loose = cfg.replace(clip_norm=1e3)
+    with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, loose, tmp_path / "b") as tr:
+        tr.fit(_batches(60), steps=60)
+        assert not [e for e in tr.events if e["type"] == "clipping"]
