@@ -120,13 +120,18 @@ class _HeldByEveryCheckpoint(Exception):
 # is logged where it is decided (``_incident``), a checkpoint or a skip at DEBUG. Before, only
 # the locate was: a skipped NaN batch, a downshift, a rollback and a recovery reached neither
 # the console nor the log (newuser51).
-_WARNING_EVENTS = frozenset(
-    {"rollback", "polluted_input", "damaged", "error", "stop_restore", "spike", "transient",
-     "clipping"}
-)  # fmt: skip
-_INFO_EVENTS = frozenset(
-    {"downshift", "recover", "safe_enter", "safe_exit", "resume", "lr_restore", "data_end"}
-)
+_EVENT_LEVELS = {
+    **dict.fromkeys(
+        ("rollback", "polluted_input", "damaged", "error", "stop_restore", "spike", "transient",
+         "clipping"),
+        logging.WARNING,
+    ),
+    **dict.fromkeys(
+        ("downshift", "recover", "safe_enter", "safe_exit", "resume", "lr_restore", "data_end"),
+        logging.INFO,
+    ),
+    "locate": None,  # logged by ``_incident`` with its report
+}  # fmt: skip
 _EVENT_FIELDS = (
     "from", "to", "site", "scope", "steps", "to_step", "replayed", "dropped", "passed_over",
     "leaf", "rows", "trigger", "reason", "detail", "cause",
@@ -136,15 +141,7 @@ _EVENT_FIELDS = (
 def _echo_event(record: dict) -> None:
     """Logs one event record (``EventLog.echo``) at its type's level."""
     kind = record.get("type")
-    level = (
-        logging.WARNING
-        if kind in _WARNING_EVENTS
-        else logging.INFO
-        if kind in _INFO_EVENTS
-        else logging.DEBUG
-        if kind != "locate"
-        else None
-    )
+    level = _EVENT_LEVELS.get(kind, logging.DEBUG)
     if level is None or not log.isEnabledFor(level):
         return
 
@@ -154,6 +151,13 @@ def _echo_event(record: dict) -> None:
 
     fields = "  ".join(f"{k}={short(record[k])}" for k in _EVENT_FIELDS if k in record)
     log.log(level, "step %s: %s  %s", record.get("step"), kind, fields)
+
+
+def _held_everywhere(keystr: str, steps) -> str:
+    return (
+        f"the parameter {keystr} is near overflow in every checkpoint kept (steps "
+        f"{', '.join(map(str, steps))})"
+    )
 
 
 def _refusing(huge: tuple[str, float] | None):
@@ -1121,12 +1125,11 @@ class Trainer:
         self._stop_past_max_incidents(done, decision, m)
         if decision.restore and decision.kind == "repeat" and done.replayed:
             # The same batch fails in SAFE again on the replay after a rollback: the batch, not
-            # the state, is at fault. Another rollback would loop; its step stays skipped.
-            # Batches, not the state, when the replay trained on the restored checkpoint
-            # first (a step applied since: ``_restored`` cleared); a checkpoint on which every
-            # replayed step fails may hold the fault itself (``_passed_over``).
-            # Only a step that failed before the rollback says so: a new failure on the replay
-            # points at the state or the new gears.
+            # the state, is at fault. Another rollback would loop; its step stays skipped. It
+            # shows the batches at fault for later ones (``_shown_batches_at_fault``) only
+            # when it failed before the rollback (a new failure points at the state or the
+            # gears) and the replay trained on the checkpoint first (``_restored`` cleared: a
+            # checkpoint every replayed step fails on may hold the fault, ``_passed_over``).
             shown = again and self._restored is None
             self._batches_at_fault = self._rolled_back_to if shown else None
             self.log.append(
@@ -1287,11 +1290,7 @@ class Trainer:
     def _leave_on(self, step_no: int, state, ckpt: int, extra: dict) -> None:
         """A stop's last act: the trainer is left on checkpoint ``ckpt`` (``state``), as a
         resume would be, with the batches after it out of the ring (a ``stop_restore``)."""
-        self.state, self.step = state, int(ckpt)
-        self._checkpoint_due = False
-        self.ring = collections.deque(
-            [(s, b) for s, b in self.ring if s < ckpt], maxlen=self.ring.maxlen
-        )
+        self._move_to(state, ckpt)
         self.log.append("stop_restore", step_no, to_step=int(ckpt), **extra)
 
     def _stop_where_batches_do_not_matter(self, done: _Step, decision, state, ckpt, extra, m):
@@ -1333,15 +1332,8 @@ class Trainer:
             self._stop_where_no_checkpoint_helps(done, decision, keystr, steps)
         huge = incidents.huge_state_leaf(decision.report)
         self._huge_everywhere = (keystr, huge[1], list(steps))
-        self.log.append(
-            "error",
-            done.step,
-            detail=(
-                f"the parameter {keystr} is near overflow in every checkpoint kept (steps "
-                f"{', '.join(map(str, steps))}): no rollback removes it; instead, "
-                f"{instead.action}"
-            ),
-        )
+        detail = f"{_held_everywhere(keystr, steps)}: no rollback removes it; instead, "
+        self.log.append("error", done.step, detail=detail + instead.action)
         self._log_safe_enters(done.step, instead)
         return _Restart(done.after.replace(gear=instead.gear))
 
@@ -1356,13 +1348,11 @@ class Trainer:
         deleted, the trainer left on the state the failed step started from
         (``_leave_before``: finite, the weight in it)."""
         detail = (
-            f"the parameter {keystr} is near overflow in every checkpoint kept (steps "
-            f"{', '.join(map(str, steps))}): it was made before the oldest, so no rollback "
+            f"{_held_everywhere(keystr, steps)}: it was made before the oldest, so no rollback "
             "removes it, and SAFE in place did not help. Rescale or re-initialise it in "
-            "trainer.state and "
-            "trainer.save() it before fit() again (a resume restores the newest checkpoint, "
-            "which holds it), or start from a new workdir; look at what grew it (the learning "
-            "rate, the initialisation)"
+            "trainer.state and trainer.save() it before fit() again (a resume restores the "
+            "newest checkpoint, which holds it), or start from a new workdir; look at what grew "
+            "it (the learning rate, the initialisation)"
         )
         self.log.append("error", done.step, detail=detail)
         self._leave_before(done)
@@ -1377,10 +1367,14 @@ class Trainer:
         ``done`` started from, at its step: the step after it, already dispatched on the
         failed step's result (``fit`` runs one step ahead), was never checked, and neither
         batch is in the ring."""
-        self.state, self.step = done.before, int(done.step)
+        self._move_to(done.before, done.step)
+
+    def _move_to(self, state, step: int) -> None:
+        """The trainer on ``state`` at ``step``, the batches from ``step`` on out of the ring."""
+        self.state, self.step = state, int(step)
         self._checkpoint_due = False
         self.ring = collections.deque(
-            [(s, b) for s, b in self.ring if s < done.step], maxlen=self.ring.maxlen
+            [(s, b) for s, b in self.ring if s < step], maxlen=self.ring.maxlen
         )
 
     def _passed_over(self) -> list[int]:

@@ -533,24 +533,27 @@ def locate_replayed(step_fn: Any, *args: Any, check: bool = True) -> tuple[Repor
     traced = jax.make_jaxpr(production)(*args) if check else None
     compiled = programs.compiled_programs(step_fn, production) if check else []
     expected = _production_codes(production, traced, args, compiled) if check else None
-    report, program, replays = _through(candidates, production, traced, args, expected, t0)
+    jaxprs = {id(production): traced} if check else {}  # each program traced once
+    report, program, replays = _through(candidates, jaxprs, args, expected, t0)
     if not report.reproducible and cache.quick():
         # compiled as production is, in case LLVM's optimisation decided the difference
         with cache.production_options():
-            report, program, more = _through(candidates, production, traced, args, expected, t0)
+            report, program, more = _through(candidates, jaxprs, args, expected, t0)
         replays += more
     # Every replay, and the whole time (the trace and the production run included).
     report = dataclasses.replace(report, replays=replays, seconds=time.perf_counter() - t0)
     return report, program
 
 
-def _through(candidates, production, traced, args, expected, t0) -> tuple[Report, Any, int]:
+def _through(candidates, jaxprs: dict, args, expected, t0) -> tuple[Report, Any, int]:
     """``locate_replayed``'s pass over the candidate programs: ``(report, the program it
-    indexes, replays)``; the first reproducible report, else the last program's."""
+    indexes, replays)``; the first reproducible report, else the last program's. ``jaxprs``:
+    each program's trace by ``id``, filled as they are traced."""
     replays = 0
     for k, program in enumerate(candidates):
-        jaxpr = traced if program is production and traced is not None else None
-        jaxpr = jax.make_jaxpr(program)(*args) if jaxpr is None else jaxpr
+        jaxpr = jaxprs.get(id(program))
+        if jaxpr is None:
+            jaxpr = jaxprs[id(program)] = jax.make_jaxpr(program)(*args)
         report, sess = _run(jaxpr, args, expected)
         replays += sess.replays
         if report is not None and (report.reproducible or k == len(candidates) - 1):
