@@ -1149,11 +1149,11 @@ class Trainer:
                     f"{self._batches_at_fault} showed batches, not the state, at fault)"
                 ),
             )
-        elif decision.restore and self._holds_huge_everywhere(done):
+        elif decision.restore and decision.kind != "damaged" and self._holds_huge_everywhere(done):
             # A rollback would restore a checkpoint holding the weight: the gears in place
-            # again (a SAFE stay that ran out), or the stop once SAFE did not help.
-            keystr, _, steps = self._huge_everywhere
-            return self._downshift_where_no_checkpoint_helps(done, decision, keystr, steps)
+            # again (a SAFE stay that ran out), or the stop once SAFE did not help. (A damaged
+            # state is rolled back all the same.)
+            return self._downshift_where_no_checkpoint_helps(done, decision, *self._huge_everywhere)
         elif decision.restore:
             self._skips_in_a_row = 0
             restart = self._rollback(done, decision, m)
@@ -1244,7 +1244,7 @@ class Trainer:
         try:
             found = self._restore_newest(done.step, _refusing(huge))
         except _HeldByEveryCheckpoint as held:
-            return self._downshift_where_no_checkpoint_helps(done, decision, huge[0], held.steps)
+            return self._downshift_where_no_checkpoint_helps(done, decision, *huge, held.steps)
         if found is None:
             self.log.append("error", done.step, detail="no finite checkpoint to roll back to")
             return None
@@ -1314,7 +1314,7 @@ class Trainer:
         )
 
     def _downshift_where_no_checkpoint_helps(
-        self, done: _Step, decision, keystr: str, steps
+        self, done: _Step, decision, keystr: str, top: float, steps
     ) -> _Restart:
         """The parameter the incident named huge is so in every checkpoint kept: no rollback
         removes it. The gears may still carry the run (SAFE's f32 arithmetic saturated back:
@@ -1330,8 +1330,8 @@ class Trainer:
         instead = incidents.downshift_in_place(decision.report, *gears, self.cfg)
         if instead.kind == "repeat" or instead.gear is None:
             self._stop_where_no_checkpoint_helps(done, decision, keystr, steps)
-        huge = incidents.huge_state_leaf(decision.report)
-        self._huge_everywhere = (keystr, huge[1], list(steps))
+        # (the weight as first named: a later decision's report may not name it)
+        self._huge_everywhere = (keystr, top, list(steps))
         detail = f"{_held_everywhere(keystr, steps)}: no rollback removes it; instead, "
         self.log.append("error", done.step, detail=detail + instead.action)
         self._log_safe_enters(done.step, instead)
