@@ -457,6 +457,39 @@ def test_a_weight_huge_in_every_checkpoint_is_carried_by_safe_in_place(tmp_path)
     assert not [e for e in ev if e["type"] in ("rollback", "stop_restore")]
 
 
+def test_a_damaged_state_is_rolled_back_while_a_weight_every_checkpoint_held_is_still_huge(
+    tmp_path,
+):
+    """The layer of the test above is carried by SAFE in place (its kernel huge in every
+    checkpoint), then its bias turns NaN (a flipped bit): the damaged state is rolled back to
+    the newest finite checkpoint all the same, which still holds the huge kernel, and the run
+    goes on finite. Before, the damage took the held weight's path (the gears in place, the
+    NaN kept), and that path read the weight's range from the damage report, which names no
+    weight: a ``TypeError`` out of ``fit``."""
+    rng = np.random.default_rng(0)
+    batches = [jnp.asarray(rng.normal(size=(8, 16)), jnp.float32) for _ in range(8)]
+    cfg = Config(checkpoint_every=2, safe_max_steps=20, recovery_window=8, min_history=8)
+    model = _Fp16Dense(rngs=nnx.Rngs(0))
+    model.lin.kernel[...] = model.lin.kernel[...] * 3e4
+    loss = lambda m, x: jnp.mean(m(x) ** 2) * 1e-9  # noqa: E731
+    with nan2safe.Trainer(model, optax.sgd(1e-3), loss, cfg, tmp_path) as tr:
+        tr.fit(batches[:4], steps=4)
+        assert [e["type"] for e in tr.events if e["type"] == "error"] == ["error"]
+        saved = tr.checkpoints.steps()[-1]
+        params = tr.state.params
+        params["lin"]["bias"] = params["lin"]["bias"].at[0].set(jnp.nan)
+        tr.state = tr.state.replace(params=params)
+        hist = tr.fit(batches[4:], steps=4)
+        ev = tr.events
+        assert np.isfinite(np.asarray(tr.state.params["lin"]["bias"])).all()
+        assert float(jnp.abs(tr.state.params["lin"]["kernel"][...]).max()) > 1e3
+    (damaged,) = [e for e in ev if e["type"] == "damaged"]
+    (rb,) = [e for e in ev if e["type"] == "rollback"]
+    assert rb["cause"] == "damaged" and rb["step"] == damaged["step"] and rb["to_step"] == saved
+    assert len([e for e in ev if e["type"] == "error"]) == 1, ev
+    assert all(np.isfinite(h["loss"]) for h in hist[1:]), hist
+
+
 def _report(site, origin_site=None, argument=None):
     """A report of a culprit at ``site`` whose near-overflow input came from an equation of
     ``origin_site`` or from ``argument``."""
