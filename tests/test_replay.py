@@ -542,7 +542,7 @@ def test_polluted_input_names_argument_path():
     params = {"w": jnp.ones((3, 2))}
     batch = {"x": jnp.ones((4, 3)).at[2, 1].set(jnp.nan)}
     r = locate(jax.make_jaxpr(loss)(params, batch), (params, batch))
-    assert r.diagnosis == "polluted input" and r.primitive is None
+    assert r.diagnosis == "polluted input" and r.primitive is None and r.direction is None
     assert r.input_path == "[1]['x']"
     assert r.kind == "nan" and r.channels == {0: [2], 1: [1]}
     json.dumps(r.to_dict())

@@ -415,7 +415,9 @@ def test_nan_in_the_data_is_reported_as_data(tmp_path, capsys):
     polluted = [e for e in ev if e["type"] == "polluted_input"]
     assert [e["step"] for e in polluted] == [2, 4] and tr.incidents == 0
     assert polluted[0]["leaf"] == "[0]" and polluted[0]["rows"] == [0]
+    # no equation blamed: neither pass (newuser51 read "forward" as an op located)
     assert polluted[0]["report"]["diagnosis"] == "polluted input"
+    assert polluted[0]["report"]["direction"] is None
     assert not any(e["type"] in ("locate", "downshift", "rollback") for e in ev)
     assert hist[2]["skipped"] and hist[2]["polluted"] and not hist[2]["incident"]
     # No downshift, no loss-scale cut, and the next step does not count as non-finite.
@@ -449,6 +451,7 @@ def test_damaged_state_is_rolled_back_and_never_trained_on(tmp_path):
         assert rb[0]["step"] == 7 and rb[0]["missing"] == []
         (damaged,) = [e for e in ev if e["type"] == "damaged"]
         assert damaged["report"]["diagnosis"] == "damaged state"  # not the data's "polluted input"
+        assert damaged["report"]["direction"] is None
         # Steps 5 and 6 ran again from the ring buffer, then 7 (the failing batch) onwards.
         replayed = [h["step"] for h in hist if h.get("replay")]
         assert replayed == [5, 6, 7]

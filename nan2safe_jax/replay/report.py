@@ -76,7 +76,8 @@ class Report:
       name_stack: the equation's full name stack (``jvp(...)``, ``transpose(...)``, named scopes).
       site: the nan2safe site named in the name stack (``nan2safe[<site>]``), or None.
       direction: ``"backward"`` if the name stack contains a ``transpose(`` (the equation was
-        emitted while transposing, i.e. it computes cotangents), else ``"forward"``.
+        emitted while transposing, i.e. it computes cotangents), else ``"forward"``; None when
+        no equation is blamed (polluted input, damaged state, not reproducible).
       kind: ``"inf"`` or ``"nan"`` — what the culprit's output holds (``"nan"`` if both).
       first_nan: when ``kind == "inf"``, the first equation that produced a NaN from NaN-free
         inputs (often the ``inf - inf`` after an overflow), else None.
@@ -114,7 +115,7 @@ class Report:
     source: str | None
     name_stack: str
     site: str | None
-    direction: str
+    direction: str | None
     kind: str | None
     first_nan: EqnRef | None
     eqn_path: tuple
@@ -142,7 +143,7 @@ class Report:
             source=None,
             name_stack="",
             site=None,
-            direction="forward",
+            direction=None,  # no equation, so neither pass (newuser51: read as a located op)
             first_nan=None,
             eqn_path=(),
         )
