@@ -300,6 +300,23 @@ def test_training_reduces_the_loss_in_every_dtype(step, dtype):
     assert np.mean(losses[-8:]) < np.mean(losses[:8])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_outside_fp16_the_loss_scale_changes_no_bit(step, dtype):
+    """The dynamic loss scale runs in every dtype (``loss_scale`` reads 32768 in a bf16 run,
+    newuser51); a power of two scales every gradient exactly, so the parameters are the same
+    bits as with the scale pinned at 1 (the README says so)."""
+    x, y = _data(4, dtype=dtype)
+    pinned = Config(loss_scale_init=1.0, loss_scale_max=1.0)
+    runs = []
+    for cfg in (Config(), pinned):
+        state = _state(dtype, cfg, lr=1e-2)
+        for i in range(4):
+            state, m = step(state, (x[i], y[i]))
+        runs.append((float(m["loss_scale"]), state.params))
+    assert [s for s, _ in runs] == [2.0**15, 1.0]
+    _assert_same(runs[0][1], runs[1][1])
+
+
 def test_non_scalar_loss_is_a_clear_error():
     state = _state()
     bad = make_train_step(lambda model, batch: model(batch[0]).astype(jnp.float32))
