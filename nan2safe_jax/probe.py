@@ -248,9 +248,11 @@ _F32_MAX = float(jnp.finfo(jnp.float32).max)
 
 
 def _sums(a, b):
-    """The reducer of ``stats``: sums, except the max of the third operand."""
+    """The reducer of ``stats``: sums, except the max of each array's third operand (every
+    sixth from the third: ``_stats_many`` reduces several arrays' parts at once)."""
     out = [u + v for u, v in zip(a, b, strict=True)]
-    out[2] = jnp.maximum(a[2], b[2])
+    for i in range(2, len(out), 6):
+        out[i] = jnp.maximum(a[i], b[i])
     return tuple(out)
 
 
@@ -291,24 +293,45 @@ def stats(x: jax.typing.ArrayLike, limit: float | None = None) -> jax.Array:
 def _stats_over(xf: jax.Array, axes: tuple[int, ...], big) -> jax.Array:
     """``stats`` of ``xf`` (f32) reduced over ``axes``: ``[*kept axes, NUM_STATS]``; ``big``
     (a float, or an array over the kept axes) is the headroom's limit."""
+    if _PARTITIONED.get() and axes:
+        parts = _parts(xf)
+        stacked = jnp.stack([parts[i] for i in (0, 1, 3, 4, 5)])
+        sums = jnp.sum(stacked, tuple(a + 1 for a in axes))
+        (total, total_sq, n_nan, n_pos, n_neg), max_abs = sums, jnp.max(parts[2], axes)
+        sums = (total, total_sq, max_abs, n_nan, n_pos, n_neg)
+        return _finish(sums, math.prod(xf.shape[a] for a in axes), big)
+    return _stats_many([xf], axes, [big])[0]
+
+
+def _parts(xf: jax.Array) -> tuple[jax.Array, ...]:
+    """What ``_sums`` reduces for ``xf``: the sum and the sum of squares of its finite values
+    (scaled), their largest magnitude, and its NaN, ``+inf`` and ``-inf`` counts."""
     nan, pos, neg = jnp.isnan(xf), xf == jnp.inf, xf == -jnp.inf
     xz = jnp.where(nan | pos | neg, 0.0, xf)
-    one = lambda b: b.astype(jnp.float32)
-    zero = jnp.zeros((), jnp.float32)
-    ax = jnp.abs(xz)
+    one = lambda b: b.astype(jnp.float32)  # noqa: E731
     # The sums of x * 2**-16 and of its squares: no inf below |x| ~1.2e24 in the squares (f32's
     # square overflowed at 1.8e19), none in the sum of under 65536 values whatever they are
     # (the mean of 100 values of 1e37 was inf; past that, the mean saturates); a power of two
     # scales exactly.
     xs = xz * _SUM_SCALE
-    parts = (xs, jnp.square(xs), ax, one(nan), one(pos), one(neg))
-    if _PARTITIONED.get() and axes:
-        stacked = jnp.stack([parts[i] for i in (0, 1, 3, 4, 5)])
-        sums = jnp.sum(stacked, tuple(a + 1 for a in axes))
-        (total, total_sq, n_nan, n_pos, n_neg), max_abs = sums, jnp.max(parts[2], axes)
-    else:
-        total, total_sq, max_abs, n_nan, n_pos, n_neg = lax.reduce(parts, (zero,) * 6, _sums, axes)
-    size = math.prod(xf.shape[a] for a in axes)
+    return (xs, jnp.square(xs), jnp.abs(xz), one(nan), one(pos), one(neg))
+
+
+def _stats_many(xfs, axes: tuple[int, ...], bigs) -> list[jax.Array]:
+    """``_stats_over`` of several f32 arrays of one shape, from one variadic reduction of
+    every array's six parts: XLA fuses each array's elementwise producer into it (a norm's
+    per-row ``inv_std`` and ``input_rms``, from the row statistics), where stacking the arrays
+    first was a kernel of its own, and the stacked result's rows two more (a slice each)."""
+    parts = [p for xf in xfs for p in _parts(xf)]
+    zero = jnp.zeros((), jnp.float32)
+    sums = lax.reduce(tuple(parts), (zero,) * len(parts), _sums, axes)
+    size = math.prod(xfs[0].shape[a] for a in axes)
+    return [_finish(sums[6 * i : 6 * i + 6], size, big) for i, big in enumerate(bigs)]
+
+
+def _finish(sums, size: int, big) -> jax.Array:
+    """``[*, NUM_STATS]`` from one array's reduced parts (``_parts``) over ``size`` values."""
+    total, total_sq, max_abs, n_nan, n_pos, n_neg = sums
     # One division: XLA does not copy a division into several consumers, so ``total / n`` and
     # ``total_sq / n`` were a kernel each; the products below fuse into what reads them.
     inv_n = 1.0 / jnp.maximum(float(size) - n_nan - n_pos - n_neg, 1.0)
@@ -326,9 +349,10 @@ def _stats_over(xf: jax.Array, axes: tuple[int, ...], big) -> jax.Array:
 
 @monitoring
 def stats_of_rows(xs, limits) -> list[jax.Array]:
-    """``stats`` of several arrays of one shape in one reduction (``[R, ...]`` stacked in f32,
-    reduced over all but the first axis): a norm's two per-row probes were two reductions of
-    a few hundred values each, their kernels most of what BatchNorm's probes cost.
+    """``stats`` of several arrays of one shape in one reduction: a norm's two per-row probes
+    were two reductions of a few hundred values each, their kernels most of what BatchNorm's
+    probes cost. One variadic reduction of every array's parts (``_stats_many``); inside
+    ``partitioned()``, the arrays stacked (``[R, ...]``) and reduced as ``stats`` does there.
 
     Args:
       xs: arrays of one shape, each in the dtype its statistics are of (cast to f32 here).
@@ -338,16 +362,17 @@ def stats_of_rows(xs, limits) -> list[jax.Array]:
       One ``f32[NUM_STATS]`` per array, as ``stats`` gives it (no gradient flows through).
     """
     xs = [lax.stop_gradient(jnp.asarray(x)) for x in xs]
-    big = np.asarray(
-        [
-            _finfo_max(x.dtype) if lim is None else float(lim)
-            for x, lim in zip(xs, limits, strict=True)
-        ],
-        np.float32,
-    )
-    stacked = jnp.stack([x.astype(jnp.float32) for x in xs])
-    rows = _stats_over(stacked, tuple(range(1, stacked.ndim)), big)
-    return [rows[i] for i in range(len(xs))]
+    bigs = [
+        _finfo_max(x.dtype) if lim is None else float(lim)
+        for x, lim in zip(xs, limits, strict=True)
+    ]
+    xfs = [x.astype(jnp.float32) for x in xs]
+    axes = tuple(range(xfs[0].ndim))
+    if _PARTITIONED.get() and axes:
+        stacked = jnp.stack(xfs)
+        rows = _stats_over(stacked, tuple(a + 1 for a in axes), np.asarray(bigs, np.float32))
+        return [rows[i] for i in range(len(xs))]
+    return _stats_many(xfs, axes, bigs)
 
 
 def op_stats(x: jax.Array, limit: float | None = None) -> jax.Array:
