@@ -40,7 +40,7 @@ import numpy as np
 from nan2safe_jax import gear as gear_lib
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear, GearState
-from nan2safe_jax.numerics import _is_key, first_nonfinite
+from nan2safe_jax.numerics import HUGE_DATA, _is_key, first_huge, first_nonfinite
 from nan2safe_jax.replay import _jax_compat as jc
 from nan2safe_jax.replay import magnitude
 from nan2safe_jax.replay.locate import locate_replayed
@@ -91,30 +91,37 @@ def polluted_report(batch) -> Report:
       A ``Report`` with ``diagnosis == "polluted input"``; ``channels[0]`` lists the bad rows.
 
     Raises:
-      ValueError: the batch is finite.
+      ValueError: the batch holds no NaN, no inf and no value past ``numerics.HUGE_DATA``.
 
     A leaf holding a NaN or ``+inf`` comes first, and only those values are counted (a ``-inf``
-    mask beside them is no fault); a batch holding only ``-inf`` is named when the loss went
-    non-finite with it (the train step's ``polluted``).
+    mask beside them is no fault); then one holding a finite value past ``HUGE_DATA`` (its
+    ``kind`` is ``"huge"``), then a ``-inf``: the last two are named when the loss or a probe
+    went non-finite with them (the train step's ``polluted``).
     """
-    where = first_nonfinite(batch, minus_inf=False)
-    minus_inf = where is None
-    if minus_inf:
-        where = first_nonfinite(batch)
+    where, kind = first_nonfinite(batch, minus_inf=False), "nonfinite"
+    if where is None:
+        where, kind = first_huge(batch), "huge"
+    if where is None:
+        where, kind = first_nonfinite(batch), "minus_inf"
     if where is None:
         raise ValueError("polluted_report: the batch is finite")
     leaf = _leaf_at(batch, where)
     a = np.asarray(leaf, np.float64)
-    bad = ~np.isfinite(a) if minus_inf else np.isnan(a) | np.isposinf(a)
+    if kind == "huge":
+        bad = np.isfinite(a) & (np.abs(a) >= HUGE_DATA)
+    else:
+        bad = ~np.isfinite(a) if kind == "minus_inf" else np.isnan(a) | np.isposinf(a)
     chans, cut = channel_scan(np.where(bad, np.nan, 0.0))
-    what = (
-        "-inf value(s), and the loss went non-finite with them (a mask fill the model could "
-        "not take, e.g. a fully masked row, or corrupted data)"
-        if minus_inf
-        else "NaN / +inf value(s)"
-    )
+    what = {
+        "minus_inf": "-inf value(s), and the loss went non-finite with them (a mask fill the "
+        "model could not take, e.g. a fully masked row, or corrupted data)",
+        "huge": f"finite value(s) of magnitude 2**64 (~1.8e19) or more (max |x| "
+        f"{float(np.max(np.abs(a[bad]))):.3g}), and the loss went non-finite with them: they "
+        "square past float32 (a norm's variance, a sum of squares), corrupted data",
+        "nonfinite": "NaN / +inf value(s)",
+    }[kind]
     return Report.no_equation(
-        kind="nan" if np.isnan(a).any() else "inf",
+        kind="huge" if kind == "huge" else "nan" if np.isnan(a).any() else "inf",
         inputs=[array_stats(leaf)],
         channels=chans,
         channels_truncated=cut,

@@ -2,9 +2,9 @@
 
 Device-side helpers (``all_finite``, ``nonfinite_kinds``, ``sum_of_squares``,
 ``global_norm``, ``select_tree``, ``saturating_add``, ``computed_once``) are traceable and run
-inside the jitted step. Host-side helpers (``first_nonfinite``, ``tree_is_finite``) read
-concrete arrays back with NumPy: the Trainer uses them on a batch before it blames the model,
-and the checkpointer before it saves.
+inside the jitted step. Host-side helpers (``first_nonfinite``, ``first_huge``,
+``tree_is_finite``) read concrete arrays back with NumPy: the Trainer uses them on a batch
+before it blames the model, and the checkpointer before it saves.
 
 A leaf is checked for finiteness when its dtype is inexact (float, bfloat16, float8, complex);
 integer, bool and PRNG-key leaves are always finite.
@@ -47,27 +47,57 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
-def nonfinite_kinds(tree) -> tuple[jax.Array, jax.Array]:
-    """``(bool[], bool[])``: some floating leaf of ``tree`` holds a NaN or ``+inf``; some holds
-    a ``-inf``. One pass over each leaf.
+# A batch value past this (2**64, ~1.8e19) squares past f32: a norm's variance, a sum of
+# squares or an L2 norm of it overflows whatever the model's dtype. No feature a model trains on
+# is that large (corrupted data: uninitialised memory, a failed decode, newuser52's batch of
+# 1e30), so a batch holding one is the data's fault when its step went non-finite (the train
+# step's ``polluted``); a batch that trains finite with one is left alone.
+HUGE_DATA = 2.0**64
+
+
+def nonfinite_kinds(tree) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(bool[], bool[], bool[])``: some floating leaf of ``tree`` holds a NaN or ``+inf``;
+    some holds a ``-inf``; some holds a finite value of magnitude ``HUGE_DATA`` or more. One
+    pass over each leaf.
 
     A batch's verdict (the train step's ``polluted``): ``-inf`` is the conventional mask fill
     (an additive attention bias), a value the data means, as the probes read it
     (``probe.nonfinite_count``); a NaN or ``+inf`` is not. A complex value that is not finite
-    counts as the first kind.
+    counts as the first kind. A leaf whose dtype cannot hold ``HUGE_DATA`` (fp16, float8) is
+    never huge.
 
     Args:
       tree: a pytree of arrays (traced or concrete).
     """
-    bad, minus = [], []
+    bad, minus, huge = [], [], []
     for x in floating_leaves(tree):
+        wide = float(jnp.finfo(x.dtype).max) > HUGE_DATA
         if jnp.iscomplexobj(x):
             bad.append(jnp.any(~jnp.isfinite(x)))
+            if wide:
+                huge.append(jnp.any(jnp.isfinite(x) & (jnp.abs(x) >= HUGE_DATA)))
             continue
         bad.append(jnp.any(jnp.isnan(x) | jnp.isposinf(x)))
         minus.append(jnp.any(jnp.isneginf(x)))
+        if wide:
+            huge.append(jnp.any(jnp.isfinite(x) & (jnp.abs(x) >= HUGE_DATA)))
     some = lambda flags: jnp.any(jnp.stack(flags)) if flags else jnp.asarray(False)  # noqa: E731
-    return some(bad), some(minus)
+    return some(bad), some(minus), some(huge)
+
+
+def first_huge(tree) -> str | None:
+    """Host-side scan: the key path of the first floating leaf holding a finite value of
+    magnitude ``HUGE_DATA`` or more (``nonfinite_kinds``'s third verdict), or None."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if _is_key(leaf):
+            continue
+        a = np.asarray(leaf)
+        if not _inexact(a.dtype) or float(jnp.finfo(a.dtype).max) <= HUGE_DATA:
+            continue
+        wide = a.astype(np.complex128 if np.iscomplexobj(a) else np.float64)
+        if np.any(np.isfinite(wide) & (np.abs(wide) >= HUGE_DATA)):
+            return jax.tree_util.keystr(path)
+    return None
 
 
 # Leaves below this many elements are summed as one concatenated vector (see sum_of_squares).

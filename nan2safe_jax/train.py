@@ -361,7 +361,7 @@ def train_step(
     scale = guard_lib.loss_scale_of(state.opt_state)
     # Reductions over the batch's floating leaves; under sharding global reductions in the one
     # SPMD program, so every process reads the same verdict (``polluted`` below).
-    batch_bad, batch_minus_inf = numerics.nonfinite_kinds(batch)
+    batch_bad, batch_minus_inf, batch_huge = numerics.nonfinite_kinds(batch)
 
     def scaled_loss(params):
         loss, probes, new_rest, aux = _forward(state, site, params, batch, loss_fn, has_aux)
@@ -403,8 +403,10 @@ def train_step(
     # (an additive attention bias): data only when the loss or a probe went non-finite with it
     # (a mask the model could not take, or corrupted data), so a healthy masked batch trains,
     # scaled gradients that overflow are the loss scale's as in any batch, and a failing one
-    # is blamed on the batch, never on an op.
-    polluted = batch_bad | (batch_minus_inf & (~jnp.isfinite(loss32) | probes_bad))
+    # is blamed on the batch, never on an op. So is a finite value past 2**64
+    # (``numerics.HUGE_DATA``, which squares past f32: newuser52's batch of 1e30 was blamed on
+    # the first LayerNorm's square, which went to SAFE for it).
+    polluted = batch_bad | ((batch_minus_inf | batch_huge) & (~jnp.isfinite(loss32) | probes_bad))
     # A finite loss whose scaled gradients overflow is the dynamic loss scale's business: skip
     # and back off. Only when that repeats (or the loss itself is bad) is it an incident.
     # After OVERFLOW_GRACE overflows in a row the first downshift also cuts the scale by

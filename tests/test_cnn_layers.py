@@ -399,25 +399,27 @@ def test_convert_makes_a_cnns_conv_and_batch_norm_sites_sharing_their_variables(
 
 
 def test_a_bf16_batch_norm_whose_variance_overflows_is_an_incident_located_at_it():
-    """A bf16 CNN fed a batch of ~1e20: the BatchNorm's f32 variance passes f32 (FAST's
-    output is finite; its input probe and its running variance are not). The train step
-    watches the BatchNorm's probes, skips the step as an incident, and tier 2 names the
+    """A bf16 CNN whose input reaches ~1e20 (the batch times a gain of 1e10, twice: a batch
+    value past 2**64 would be the data's fault): the BatchNorm's f32 variance passes f32
+    (FAST's output is finite; its input probe and its running variance are not). The train
+    step watches the BatchNorm's probes, skips the step as an incident, and tier 2 names the
     BatchNorm; in SAFE the same forward is finite."""
     model = nn.convert(_CNN(nnx.Rngs(0), dtype=BF16))
     x = jax.random.normal(jax.random.key(0), (4, 6, 6, 3))
     y = jnp.arange(4) % 4
 
     def loss_fn(m, batch):
-        logits = m(batch[0]).astype(F32)
+        logits = m(batch[0] * batch[2] * batch[2]).astype(F32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
 
     state = TrainState.create(model, optax.adam(1e-3), Config())
     step = make_train_step(loss_fn)
-    state, m = step(state, (x, y))
+    state, m = step(state, (x, y, F32(1.0)))
     assert not m["skipped"] and {"bn.probe_inv_std", "bn.probe_input"} <= set(m["probes"].names)
     big = x * 1e20
-    _, m = step(state, (big, y))
+    _, m = step(state, (x, y, F32(1e10)))
     assert m["incident"] and m["skipped"], {k: m[k] for k in ("loss", "bad_rest", "finite")}
+    assert not m["polluted"]
     graphdef, st = nnx.split(model)
 
     def forward(x):

@@ -9,7 +9,7 @@ from flax import nnx
 from tiny_models import D, Net, data, logistic_loss, loss_fn, set_fast_only
 
 import nan2safe_jax as nan2safe
-from nan2safe_jax import Config, Gear, TrainState, detector, make_train_step
+from nan2safe_jax import Config, Gear, TrainState, detector, incidents, make_train_step
 from nan2safe_jax import gear as G
 from nan2safe_jax.probe import ProbeStats
 from nan2safe_jax.site import Probe
@@ -394,6 +394,38 @@ def test_a_minus_inf_mask_in_the_batch_is_trained_on_and_nan_or_plus_inf_is_poll
     )
 
 
+def _scaled_down_loss(model, batch):
+    """``loss_fn`` of the batch divided by 1e25 first: a batch of 1e30 trains finite."""
+    return loss_fn(model, (batch[0] * 1e-25, batch[1]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("finite", [False, True], ids=["fails", "trains"])
+def test_a_batch_value_past_2_64_is_polluted_when_the_step_fails_with_it(step, dtype, finite):
+    """A finite batch value of 1e30 squares past f32 in the first LayerNorm: the step is
+    skipped as polluted input, the gears and the loss scale untouched (newuser52: the norm's
+    square was blamed and sent to SAFE). A model that reads the same batch and trains finite
+    (it scales the input down first) trains on it."""
+    x, y = _data(1, dtype=dtype)
+    batch = (x[0].at[3, 0].set(1e30), y[0])
+    state = _state(dtype)
+    run = make_train_step(_scaled_down_loss) if finite else step
+    new, m = run(state, batch)
+    assert bool(m["polluted"]) is not finite and bool(m["skipped"]) is not finite
+    assert bool(m["finite"]) is finite and not bool(m["incident"])
+    moved = jax.tree_util.tree_map(lambda a, b: bool(jnp.any(a != b)), state.params, new.params)
+    assert any(jax.tree_util.tree_leaves(moved)) is finite
+    assert int(new.gear.level) == Gear.FAST
+    if not finite:
+        report = incidents.polluted_report(batch)
+        assert (report.kind, report.input_path, report.channels) == (
+            "huge",
+            "[0]",
+            {0: [3], 1: [0]},
+        )
+        assert "1e+30" in report.explanation and "rows [3]" in report.explanation
+
+
 def test_scaled_gradients_that_overflow_in_a_masked_batch_are_the_loss_scales_not_the_datas():
     """A finite loss whose scaled gradients overflow, in a batch with a ``-inf`` mask: the
     loss scale backs off as in any batch (the mask was blamed, every step skipped as polluted
@@ -515,12 +547,13 @@ def test_the_detector_reads_the_rate_the_optimizer_applies_after_skipped_steps(f
         "constant": optax.adam(0.01),
     }[form]
     state = TrainState.create(Net(rngs=nnx.Rngs(0)), tx)
-    # a finite batch whose third item makes the gradients overflow (not a data fault)
+    # a finite batch whose third item makes the scaled gradients overflow, the loss finite
+    # (not a data fault: a loss of 3e38 was inf, and a batch value past 2**64 with it polluted)
     scaled = lambda model, b: loss_fn(model, (b[0], b[1])) * b[2]  # noqa: E731
     step = make_train_step(scaled, lr_schedule=sched)
     x, y = data(5)
     for i in range(5):
-        state, m = step(state, (x[i], y[i], jnp.float32(3e38 if i < 2 else 1.0)))
+        state, m = step(state, (x[i], y[i], jnp.float32(1e36 if i < 2 else 1.0)))
         assert bool(m["finite"]) == (i >= 2)
     # three applied steps: counts 0, 1, 2 (MultiSteps: 0, 0, 1) when the fifth step ran
     want = {"MultiSteps": sched(1)}.get(form, sched(2))
@@ -576,16 +609,17 @@ def test_a_guard_made_with_another_config_is_refused_naming_the_fields():
 
 
 class _BF16Norm(nnx.Module):
-    """A bf16 ``LayerNorm`` whose input a batch-borne gain can push past ~1e19, where its f32
-    variance overflows: ``rsqrt(inf)`` is 0, so the norm outputs zeros and the loss stays
-    finite."""
+    """A bf16 ``LayerNorm`` whose input its gain (a model variable, not a parameter) can push
+    past ~1e19, where its f32 variance overflows: ``rsqrt(inf)`` is 0, so the norm outputs
+    zeros and the loss stays finite. (A batch of such values would be the data's fault.)"""
 
     def __init__(self, *, rngs):
+        self.gain = nnx.Variable(jnp.ones((), jnp.float32))
         self.ln = nan2safe.nn.LayerNorm(D, dtype=jnp.bfloat16, rngs=rngs)
         self.head = nnx.Linear(D, 1, dtype=jnp.bfloat16, rngs=rngs)
 
     def __call__(self, x):
-        return self.head(self.ln(x.astype(jnp.bfloat16)))
+        return self.head(self.ln((x * self.gain[...]).astype(jnp.bfloat16)))
 
 
 def test_a_norm_whose_statistics_overflow_to_a_finite_output_is_an_incident_located_at_it():
@@ -599,21 +633,26 @@ def test_a_norm_whose_statistics_overflow_to_a_finite_output_is_an_incident_loca
     state, m = step(state, (x[0], y[0]))
     assert not bool(m["incident"]) and bool(m["finite"])
     # rows centred first: E[x²] overflows f32, while mean² (0 here) never comes close
-    big = (x[0] - x[0].mean(-1, keepdims=True)) * 3e19
-    new, m = step(state, (big, y[0]))
+    centred = x[0] - x[0].mean(-1, keepdims=True)
+    hot = state.model
+    hot.gain[...] = jnp.float32(3e19)
+    state = state.replace(rest=nnx.split(hot, nnx.Param, ...)[2])
+    new, m = step(state, (centred, y[0]))
     assert np.isfinite(float(m["loss"])) and np.isfinite(float(m["grad_norm"]))
     assert bool(m["incident"]) and not bool(m["finite"]) and bool(m["skipped"])
-    assert float(m["probes"]["ln.probe_input"][detector.NONFINITE]) == len(big)  # every row
+    assert not bool(m["polluted"])  # the model made the values, not the batch
+    assert float(m["probes"]["ln.probe_input"][detector.NONFINITE]) == len(centred)  # every row
     np.testing.assert_array_equal(new.params["ln"]["scale"], state.params["ln"]["scale"])
 
-    report = nan2safe.replay.locate_step(step, state, (big, y[0]))
+    report = nan2safe.replay.locate_step(step, state, (centred, y[0]))
     assert report.reproducible and report.site == "ln"
     assert (report.primitive, report.diagnosis) == ("square", "overflow"), report
 
     safe = state.replace(gear=G.set_site(state.gear, "ln", Gear.SAFE))
-    new, m = step(safe, (big, y[0]))
+    new, m = step(safe, (centred, y[0]))
     assert bool(m["finite"]) and not bool(m["incident"]) and not bool(m["skipped"])
     model = new.replace(gear=safe.gear).model
+    big = centred * 3e19
     got = np.asarray(model.ln(big.astype(jnp.bfloat16)), np.float32)
     ref = np.asarray(model.ln(x[0].astype(jnp.bfloat16)), np.float32)
     assert np.abs(got).max() > 0.5

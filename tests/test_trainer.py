@@ -47,6 +47,8 @@ def _batches(n, bad=None, seed=0):
             xk[3, :] = 1.5  # one row of identical features: zero variance
         elif kind == "nan":
             xk[0, 2] = np.nan
+        elif kind == "huge":
+            xk[1, 5] = 1e30  # finite, but its square passes f32 in the first LayerNorm
         out[k] = (jnp.asarray(xk), out[k][1])
     return out
 
@@ -374,12 +376,16 @@ def test_an_fp16_layer_whose_f32_weight_overflows_the_cast_is_located_and_run_in
 
 
 class _Bf16Norm(nnx.Module):
+    """A bf16 LayerNorm of ``x * g * g`` (``x, g``: the batch): a gain of 5.5e9 (an ordinary
+    batch value; a batch value past 2**64 would be the data's fault) makes inputs of 3e19."""
+
     def __init__(self, rngs):
         self.ln = nan2safe_nn.LayerNorm(D, dtype=jnp.bfloat16, rngs=rngs)
         self.head = nnx.Linear(D, 1, dtype=jnp.bfloat16, rngs=rngs)
 
-    def __call__(self, x):
-        return self.head(self.ln(x.astype(jnp.bfloat16)))
+    def __call__(self, xg):
+        x, g = xg
+        return self.head(self.ln((x * g * g).astype(jnp.bfloat16)))
 
 
 def test_a_norm_whose_statistics_overflow_at_a_finite_loss_is_located_and_run_in_safe(tmp_path):
@@ -388,7 +394,8 @@ def test_a_norm_whose_statistics_overflow_at_a_finite_loss_is_located_and_run_in
     tier 2 names the norm, and the same inputs train in SAFE from the next step on."""
     x, y = data(4)
     centred = x - x.mean(-1, keepdims=True)  # E[x²] overflows f32; mean² stays far below
-    batches = [(x[0], y[0]), (x[1], y[1]), (centred[2] * 3e19, y[2]), (centred[3] * 3e19, y[3])]
+    g = [1.0, 1.0, 5.5e9, 5.5e9]  # squared: 3e19
+    batches = [((centred[i] if g[i] > 1 else x[i], jnp.float32(g[i])), y[i]) for i in range(4)]
     tr = Trainer(_Bf16Norm(nnx.Rngs(0)), optax.adam(1e-3), loss_fn, CFG, tmp_path / "run")
     hist = tr.fit(batches, steps=4)
     locate = [e for e in tr.events if e["type"] == "locate"]
@@ -405,16 +412,19 @@ def test_a_norm_whose_statistics_overflow_at_a_finite_loss_is_located_and_run_in
 
 
 def test_nan_in_the_data_is_reported_as_data(tmp_path, capsys):
-    """Two NaN batches with ``max_incidents=1``: a batch reported as polluted input is skipped
-    and not counted (a soak run's data NaN every 100 steps ended it at the 9th); two in a row
-    stop the run."""
+    """A NaN batch and one holding 1e30 (finite, but it squares past f32: newuser52's was
+    blamed on the first LayerNorm, sent to SAFE) with ``max_incidents=1``: a batch reported as
+    polluted input is skipped and not counted (a soak run's data NaN every 100 steps ended it at
+    the 9th); two in a row stop the run."""
     cfg = dataclasses.replace(CFG, max_incidents=1)
     tr = Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, cfg, tmp_path / "run")
-    hist = tr.fit(_batches(6, bad={2: "nan", 4: "nan"}), steps=6)
+    hist = tr.fit(_batches(6, bad={2: "nan", 4: "huge"}), steps=6)
     ev = tr.events
     polluted = [e for e in ev if e["type"] == "polluted_input"]
     assert [e["step"] for e in polluted] == [2, 4] and tr.incidents == 0
     assert polluted[0]["leaf"] == "[0]" and polluted[0]["rows"] == [0]
+    assert polluted[1]["leaf"] == "[0]" and polluted[1]["rows"] == [1]
+    assert polluted[1]["report"]["kind"] == "huge", polluted[1]
     # no equation blamed: neither pass (newuser51 read "forward" as an op located)
     assert polluted[0]["report"]["diagnosis"] == "polluted input"
     assert polluted[0]["report"]["direction"] is None
@@ -1257,10 +1267,11 @@ def test_a_burst_of_bad_batches_outside_every_site_costs_one_rollback_and_one_in
     The rollback, the skips and the SAFE stay are said through ``logging`` too (they were
     only in ``events.jsonl``)."""
     x, y = data(16)
-    batches = [(x[i], y[i], 3e38 if 9 <= i <= 12 else 1.0) for i in range(16)]
+    # a factor of 1e15 twice: its square passes f32 (one of 3e38 would be the data's fault)
+    batches = [(x[i], y[i], 1e15 if 9 <= i <= 12 else 1.0) for i in range(16)]
 
     def loss(m, b):
-        return jnp.mean(jnp.square(m(b[0]).astype(jnp.float32) * b[2] - b[1]))
+        return jnp.mean(jnp.square(m(b[0]).astype(jnp.float32) * b[2] * b[2] - b[1]))
 
     caplog.set_level("INFO", logger="nan2safe_jax.trainer")
     with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss, CFG, tmp_path) as tr:
