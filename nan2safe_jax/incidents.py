@@ -40,7 +40,7 @@ import numpy as np
 from nan2safe_jax import gear as gear_lib
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear, GearState
-from nan2safe_jax.numerics import HUGE_DATA, _is_key, first_huge, first_nonfinite
+from nan2safe_jax.numerics import _is_key, first_huge, first_nonfinite, huge_values
 from nan2safe_jax.replay import _jax_compat as jc
 from nan2safe_jax.replay import magnitude
 from nan2safe_jax.replay.locate import locate_replayed
@@ -94,9 +94,9 @@ def polluted_report(batch) -> Report:
       ValueError: the batch holds no NaN, no inf and no value past ``numerics.HUGE_DATA``.
 
     A leaf holding a NaN or ``+inf`` comes first, and only those values are counted (a ``-inf``
-    mask beside them is no fault); then one holding a finite value past ``HUGE_DATA`` (its
-    ``kind`` is ``"huge"``), then a ``-inf``: the last two are named when the loss or a probe
-    went non-finite with them (the train step's ``polluted``).
+    mask beside them is no fault); then one holding a finite value past ``numerics.HUGE_DATA``
+    that is no mask fill (its ``kind`` is ``"huge"``), then a ``-inf``: the last two are named
+    when the loss or a probe went non-finite with them (the train step's ``polluted``).
     """
     where, kind = first_nonfinite(batch, minus_inf=False), "nonfinite"
     if where is None:
@@ -108,7 +108,7 @@ def polluted_report(batch) -> Report:
     leaf = _leaf_at(batch, where)
     a = np.asarray(leaf, np.float64)
     if kind == "huge":
-        bad = np.isfinite(a) & (np.abs(a) >= HUGE_DATA)
+        bad = huge_values(a)
     else:
         bad = ~np.isfinite(a) if kind == "minus_inf" else np.isnan(a) | np.isposinf(a)
     chans, cut = channel_scan(np.where(bad, np.nan, 0.0))

@@ -53,12 +53,22 @@ def all_finite(tree) -> jax.Array:
 # 1e30), so a batch holding one is the data's fault when its step went non-finite (the train
 # step's ``polluted``); a batch that trains finite with one is left alone.
 HUGE_DATA = 2.0**64
+# ... except a value this negative or more: a mask fill at the bottom of the range (``finfo.min``,
+# as flax fills; Gemma's -2.38e38), a value the data means, as ``-inf`` is.
+MASK_FILL = -1e37
+
+
+def huge_values(x):
+    """Where ``x`` (a real array, NumPy or JAX) holds a finite value past ``HUGE_DATA`` in
+    magnitude that is not a mask fill (``MASK_FILL`` or below)."""
+    xp = np if isinstance(x, np.ndarray) else jnp
+    return xp.isfinite(x) & (xp.abs(x) >= HUGE_DATA) & (x > MASK_FILL)
 
 
 def nonfinite_kinds(tree) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(bool[], bool[], bool[])``: some floating leaf of ``tree`` holds a NaN or ``+inf``;
-    some holds a ``-inf``; some holds a finite value of magnitude ``HUGE_DATA`` or more. One
-    pass over each leaf.
+    some holds a ``-inf``; some holds a finite value of magnitude ``HUGE_DATA`` or more, not a
+    mask fill (``huge_values``; real leaves only). One pass over each leaf.
 
     A batch's verdict (the train step's ``polluted``): ``-inf`` is the conventional mask fill
     (an additive attention bias), a value the data means, as the probes read it
@@ -74,28 +84,26 @@ def nonfinite_kinds(tree) -> tuple[jax.Array, jax.Array, jax.Array]:
         wide = float(jnp.finfo(x.dtype).max) > HUGE_DATA
         if jnp.iscomplexobj(x):
             bad.append(jnp.any(~jnp.isfinite(x)))
-            if wide:
-                huge.append(jnp.any(jnp.isfinite(x) & (jnp.abs(x) >= HUGE_DATA)))
             continue
         bad.append(jnp.any(jnp.isnan(x) | jnp.isposinf(x)))
         minus.append(jnp.any(jnp.isneginf(x)))
         if wide:
-            huge.append(jnp.any(jnp.isfinite(x) & (jnp.abs(x) >= HUGE_DATA)))
+            huge.append(jnp.any(huge_values(x)))
     some = lambda flags: jnp.any(jnp.stack(flags)) if flags else jnp.asarray(False)  # noqa: E731
     return some(bad), some(minus), some(huge)
 
 
 def first_huge(tree) -> str | None:
-    """Host-side scan: the key path of the first floating leaf holding a finite value of
-    magnitude ``HUGE_DATA`` or more (``nonfinite_kinds``'s third verdict), or None."""
+    """Host-side scan: the key path of the first real floating leaf holding a finite value of
+    magnitude ``HUGE_DATA`` or more, not a mask fill (``nonfinite_kinds``'s third verdict), or
+    None."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if _is_key(leaf):
             continue
         a = np.asarray(leaf)
-        if not _inexact(a.dtype) or float(jnp.finfo(a.dtype).max) <= HUGE_DATA:
+        if not _inexact(a.dtype) or np.iscomplexobj(a) or jnp.finfo(a.dtype).max <= HUGE_DATA:
             continue
-        wide = a.astype(np.complex128 if np.iscomplexobj(a) else np.float64)
-        if np.any(np.isfinite(wide) & (np.abs(wide) >= HUGE_DATA)):
+        if np.any(huge_values(a.astype(np.float64))):
             return jax.tree_util.keystr(path)
     return None
 

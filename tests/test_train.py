@@ -418,12 +418,17 @@ def test_a_batch_value_past_2_64_is_polluted_when_the_step_fails_with_it(step, d
     assert int(new.gear.level) == Gear.FAST
     if not finite:
         report = incidents.polluted_report(batch)
-        assert (report.kind, report.input_path, report.channels) == (
-            "huge",
-            "[0]",
-            {0: [3], 1: [0]},
-        )
+        got = (report.kind, report.input_path, report.channels)
+        assert got == ("huge", "[0]", {0: [3], 1: [0]}), got
         assert "1e+30" in report.explanation and "rows [3]" in report.explanation
+
+
+def test_a_mask_fill_at_the_bottom_of_the_range_is_not_huge_data(step):
+    """``finfo.min`` (flax's mask fill) in a batch is a value the data means, as ``-inf`` is:
+    a step that fails with it is an incident tier 2 can locate, not polluted input."""
+    x, y = _data(1)
+    new, m = step(_state(), (x[0].at[3, 0].set(jnp.finfo(jnp.float32).min), y[0]))
+    assert not bool(m["polluted"]) and bool(m["incident"]) and bool(m["skipped"])
 
 
 def test_scaled_gradients_that_overflow_in_a_masked_batch_are_the_loss_scales_not_the_datas():
