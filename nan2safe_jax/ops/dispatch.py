@@ -37,6 +37,8 @@ import contextlib
 import contextvars
 import functools
 import operator
+import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -45,6 +47,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import source_info_util as _source_info
 
 from nan2safe_jax.manual_axes import cotangents_like
 from nan2safe_jax.site import branch_site as branch_site  # re-exported: ops.branch_site
@@ -215,8 +218,17 @@ def _traced_now(branch: Callable[..., Any], args: Sequence[Any]) -> Callable[...
     re-enters it), cut at the trace's root; the ``jit`` equation around them carries the frames
     of its caller (the model's line), and the localizer joins the two.
     """
+    return _as_call(*_trace(branch, args))
+
+
+def _trace(branch: Callable[..., Any], args: Sequence[Any]):
+    """``(closed jaxpr, output tree, branch)`` of ``branch`` on ``args``'s avals."""
     closed, shapes = jax.make_jaxpr(branch, return_shape=True)(*args)
-    tree = jax.tree_util.tree_structure(shapes)
+    return closed, jax.tree_util.tree_structure(shapes), branch
+
+
+def _as_call(closed, tree, branch) -> Callable[..., Any]:
+    """A traced branch as a ``jit`` call named as ``branch`` (``_traced_now``)."""
     bind = jax.extend.core.jaxpr_as_fun(closed)
     call = jax.jit(functools.wraps(branch)(lambda *leaves: bind(*leaves)))
 
@@ -224,6 +236,53 @@ def _traced_now(branch: Callable[..., Any], args: Sequence[Any]) -> Callable[...
         return jax.tree_util.tree_unflatten(tree, call(*jax.tree_util.tree_leaves(a)))
 
     return again
+
+
+# ``_geared``'s runs by what they trace: an eager call of a model whose gear is a tracer (under
+# ``nnx.remat`` outside any ``jit``: remat traces its function at every call) traced new ``jit``
+# and ``cond`` functions each time, and evaluated them eagerly: each compiled again, every call
+# (newuser52: 35-45 s per forward of a small converted ViT, against 0.05 s for flax's). The same
+# trace now reuses one run, whose equations JAX's own caches then compile once.
+_RUNS: dict[Any, Callable[..., Any]] = {}
+_RUNS_MAX = 4096
+# Libraries whose frames are no user's (as ``replay.locate.user_frames`` reads them, with JAX).
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(m.__file__) + os.sep
+    for m in (jax, __import__("flax"), __import__("optax"), __import__("nan2safe_jax"))
+    if getattr(m, "__file__", None)
+)
+
+
+def _caller_lines() -> tuple[tuple[str, int], ...]:
+    """``(file, line)`` of the frames from the op's caller out to the first one outside JAX,
+    Flax, optax and nan2safe_jax (the model's line that called the site): the part of the
+    equations' traceback the localizer reads (``source``, ``user_source``). The frames further
+    out (who called the model) are left out: a model called from two lines traces one run."""
+    lines, frame = [], sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path != __file__:
+            lines.append((path, frame.f_lineno))
+            if not path.startswith(_LIBRARY_DIRS):
+                break
+        frame = frame.f_back
+    return tuple(lines)
+
+
+def _run_key(traced, args, name) -> Any:
+    """What a ``_geared`` run depends on: each branch's jaxpr (as text: its equations, avals and
+    parameters) and output tree, the operands' tree, the branch site, the name stack and the
+    callers' lines (the equations' source information, which the text leaves out: a run reused
+    at another site or line would name the first one to the localizer). None (no reuse) when a
+    branch closes over a value (a constant of its jaxpr)."""
+    if any(closed.consts for closed, _, _ in traced):
+        return None
+    branches = tuple(
+        (str(closed.jaxpr), tree, getattr(b, "__qualname__", None)) for closed, tree, b in traced
+    )
+    operands = jax.tree_util.tree_structure(tuple(args))
+    stack = str(_source_info.current_name_stack())
+    return branches, operands, name, stack, _caller_lines()
 
 
 class _FastVJP(NamedTuple):
@@ -258,11 +317,24 @@ def _geared(gear, branches, args):
     """
     name = current_branch_site()
     wrap = (lambda f: scoped(f, name)) if name is not None else (lambda f: f)
-    fast, others = branches[0], [wrap(b) for b in branches[1:]]
-    fast, others = _traced_now(fast, args), [_traced_now(b, args) for b in others]
+    traced = [_trace(b, args) for b in [branches[0], *(wrap(b) for b in branches[1:])]]
     # Clamped once, as ``lax.switch`` clamps: a gear below 0 runs FAST, and its backward must
     # then read FAST's residuals (``_fast_residuals`` keeps them at index 0 only).
     gear = jnp.clip(gear, 0, len(branches) - 1)
+    key = _run_key(traced, args, name)
+    run = _RUNS.get(key) if key is not None else None
+    if run is None:
+        run = _geared_run([_as_call(*t) for t in traced])
+        if key is not None:
+            if len(_RUNS) >= _RUNS_MAX:
+                _RUNS.pop(next(iter(_RUNS)))
+            _RUNS[key] = run
+    return run(gear, tuple(args))
+
+
+def _geared_run(calls: Sequence[Callable[..., Any]]) -> Callable[..., Any]:
+    """``_geared``'s ``run(gear, args)``, over the traced branches ``calls`` (FAST first)."""
+    fast, others = calls[0], list(calls[1:])
 
     def through(y, *_):
         return y
@@ -270,8 +342,12 @@ def _geared(gear, branches, args):
     def taken(b):
         return lambda _, *a: b(*a)
 
+    # Made once: ``lax.switch`` caches a branch's trace by the function, and a new one per trace
+    # was a new ``cond`` (compiled again, eagerly under ``nnx.remat``).
+    forward = [through] + [taken(b) for b in others]
+
     def pick(gear, y_fast, args):
-        return lax.switch(gear, [through] + [taken(b) for b in others], y_fast, *args)
+        return lax.switch(gear, forward, y_fast, *args)
 
     @jax.custom_vjp
     def run(gear, args):
@@ -287,10 +363,12 @@ def _geared(gear, branches, args):
 
         return bwd
 
+    backward = [through] + [recompute(b) for b in others]
+
     def run_bwd(saved, ct):
         gear, args, pullback = saved
-        dargs = lax.switch(gear, [through] + [recompute(b) for b in others], pullback(ct), args, ct)
+        dargs = lax.switch(gear, backward, pullback(ct), args, ct)
         return None, cotangents_like(tuple(dargs), tuple(args))
 
     run.defvjp(run_fwd, run_bwd)
-    return run(gear, tuple(args))
+    return run
