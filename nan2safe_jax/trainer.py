@@ -133,8 +133,8 @@ _EVENT_LEVELS = {
     "locate": None,  # logged by ``_incident`` with its report
 }  # fmt: skip
 _EVENT_FIELDS = (
-    "from", "to", "site", "scope", "steps", "to_step", "replayed", "dropped", "passed_over",
-    "leaf", "rows", "trigger", "reason", "detail", "cause",
+    "from", "to", "site", "layer", "scope", "steps", "to_step", "replayed", "dropped",
+    "passed_over", "leaf", "rows", "trigger", "reason", "detail", "cause",
 )  # fmt: skip
 
 
@@ -149,8 +149,23 @@ def _echo_event(record: dict) -> None:
         text = " ".join(str(v).split())
         return text if len(text) <= 160 else text[:157] + "..."
 
-    fields = "  ".join(f"{k}={short(record[k])}" for k in _EVENT_FIELDS if k in record)
+    shown = [k for k in _EVENT_FIELDS if k in record and (k != "layer" or record[k] is not None)]
+    fields = "  ".join(f"{k}={short(record[k])}" for k in shown)
     log.log(level, "step %s: %s  %s", record.get("step"), kind, fields)
+
+
+def _safe_sites(site_gears: dict) -> list[str]:
+    """The sites in SAFE, by name; a stacked site's layers in SAFE as ``name[i]`` (the action
+    line's form) unless every layer is (newuser52: a scanned stack with one layer in SAFE read
+    ``['blocks.attn']``, as if the whole stack were)."""
+    out = []
+    for name, gears in site_gears.items():
+        safe = np.asarray(gears) >= Gear.SAFE
+        if safe.ndim == 0 or safe.all():
+            out.extend([name] if safe.all() else [])
+            continue
+        out.extend(name + "".join(f"[{i}]" for i in at) for at in np.argwhere(safe))
+    return out
 
 
 def _held_everywhere(keystr: str, steps) -> str:
@@ -569,7 +584,7 @@ class Trainer:
                 warnings.warn(
                     f"resuming {str(self.workdir)!r} with a changed config: "
                     + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()),
-                    stacklevel=3,
+                    stacklevel=4,  # the user's ``Trainer(...)`` (via __init__, _open)
                 )
             self.log.append(
                 "resume",
@@ -581,7 +596,7 @@ class Trainer:
             )
         for at_step, detail in errors:
             self.log.append("error", at_step, detail=detail)
-            warnings.warn(detail, stacklevel=3)
+            warnings.warn(detail, stacklevel=4)
 
     @property
     def events(self) -> list[dict]:
@@ -781,7 +796,7 @@ class Trainer:
         if m["overflow"] and not self._loss_scale_matters(done):
             decided = self._overflow_decision(done, m)
         m["time"] = time.time()
-        m["safe_sites"] = [k for k, v in m["site_gears"].items() if np.max(v) >= Gear.SAFE]
+        m["safe_sites"] = _safe_sites(m["site_gears"])
         if done.replayed:
             m["replay"] = True
         history.append(m)

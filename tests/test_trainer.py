@@ -90,6 +90,8 @@ def test_one_trainer_per_workdir_and_a_changed_model_never_overwrites_the_run(tm
     with pytest.warns(UserWarning) as said:
         with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, looser, run) as third:
             assert third.step == 5  # the workdir was let go when the refused trainer closed
+    # both said at the user's Trainer(...) line, not the library's (newuser52)
+    assert all(w.filename == __file__ for w in said), [(w.filename, w.lineno) for w in said]
     said = [str(w.message) for w in said]
     assert any("changed config: recovery_window 8 -> 9" in w for w in said), said
     assert any("never finished (steps [10]" in w and "from checkpoint 5" in w for w in said)
@@ -1308,3 +1310,27 @@ def test_a_clip_that_clips_almost_every_step_is_said_once(tmp_path, caplog):
     with Trainer(Net(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, loose, tmp_path / "b") as tr:
         tr.fit(_batches(60), steps=60)
         assert not [e for e in tr.events if e["type"] == "clipping"]
+
+
+def test_a_stacked_site_with_one_layer_in_safe_is_named_with_its_layer(caplog):
+    """newuser52: a scanned stack with one layer in SAFE read ``safe_sites == ['blocks.attn']``
+    in the history and ``safe_enter  site=blocks.attn`` in the log, as if the whole stack
+    were; the layer is named as the action line names it (``blocks.attn[2]``)."""
+    from nan2safe_jax.trainer import _echo_event, _safe_sites
+
+    gears = {
+        "blocks.attn": np.asarray([1, 1, 2, 1]),  # one layer of a scanned stack
+        "blocks.mlp": np.asarray([2, 2, 2, 2]),  # the whole stack
+        "nested": np.asarray([[0, 2], [0, 0]]),  # a stack of stacks
+        "head": np.int32(2),
+        "embed": np.int32(1),
+    }
+    assert _safe_sites(gears) == ["blocks.attn[2]", "blocks.mlp", "nested[0][1]", "head"]
+    caplog.set_level("INFO", logger="nan2safe_jax.trainer")
+    _echo_event({"type": "safe_enter", "step": 60, "site": "blocks.attn", "layer": 2, "steps": 8})
+    _echo_event({"type": "safe_enter", "step": 61, "site": "head", "layer": None, "steps": 8})
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "step 60: safe_enter  site=blocks.attn  layer=2  steps=8",
+        "step 61: safe_enter  site=head  steps=8",
+    ], said
