@@ -717,7 +717,7 @@ def main() -> None:
         if "error" in lo or "error" in na:
             print(f"{r['variant']:9} {r['fault']:12} ERROR {lo.get('error') or na.get('error')}")
             continue
-        ln = f"{lo['primitive']}@{lo['source']} ({lo['direction'][:3]})"
+        ln = f"{lo['primitive']}@{lo['source']} ({(lo['direction'] or '-')[:3]})"
         nn = f"{na['primitive']}@{na['source']}"
         print(
             f"{r['variant']:9} {r['fault']:12} {lo['eqns']:>5} | {lo['cold_s']:>10.2f}s "

@@ -7,8 +7,9 @@ its newest finite checkpoint. It writes nothing and keeps no state; the Trainer 
 (docs/design.md, "Tier 2").
 
 Outcomes (``Decision.kind``):
-  - ``"polluted_input"``: the batch holds a NaN, a ``+inf``, a ``-inf`` with a non-finite
-    loss (a healthy step trains on ``-inf``, a mask fill) or an out-of-range label. The
+  - ``"polluted_input"``: the batch holds a NaN, a ``+inf``, a ``-inf`` or a finite value
+    past 2**64 with a non-finite loss or probe (a healthy step trains on either; ``-inf`` is
+    a mask fill) or an out-of-range label. The
     step was skipped on device; nothing in the model is at risk, so no gear changes.
   - ``"damaged"``: the state the step started from holds a non-finite value (a flipped bit, a
     poisoned statistic). Training on it is pointless: roll back.
@@ -40,7 +41,13 @@ import numpy as np
 from nan2safe_jax import gear as gear_lib
 from nan2safe_jax.config import Config
 from nan2safe_jax.gear import Gear, GearState
-from nan2safe_jax.numerics import _is_key, first_huge, first_nonfinite, huge_values
+from nan2safe_jax.numerics import (
+    _is_key,
+    device_view,
+    first_huge,
+    first_nonfinite,
+    huge_values,
+)
 from nan2safe_jax.replay import _jax_compat as jc
 from nan2safe_jax.replay import magnitude
 from nan2safe_jax.replay.locate import locate_replayed
@@ -108,7 +115,7 @@ def polluted_report(batch) -> Report:
     leaf = _leaf_at(batch, where)
     a = np.asarray(leaf, np.float64)
     if kind == "huge":
-        bad = huge_values(a)
+        bad = huge_values(device_view(np.asarray(leaf)))
     else:
         bad = ~np.isfinite(a) if kind == "minus_inf" else np.isnan(a) | np.isposinf(a)
     chans, cut = channel_scan(np.where(bad, np.nan, 0.0))
@@ -116,8 +123,8 @@ def polluted_report(batch) -> Report:
         "minus_inf": "-inf value(s), and the loss went non-finite with them (a mask fill the "
         "model could not take, e.g. a fully masked row, or corrupted data)",
         "huge": f"finite value(s) of magnitude 2**64 (~1.8e19) or more (max |x| "
-        f"{float(np.max(np.abs(a[bad]))):.3g}), and the loss went non-finite with them: they "
-        "square past float32 (a norm's variance, a sum of squares), corrupted data",
+        f"{float(np.max(np.abs(a[bad]))):.3g}), and the loss or a probe went non-finite with "
+        "them: they square past float32 (a norm's variance, a sum of squares), corrupted data",
         "nonfinite": "NaN / +inf value(s)",
     }[kind]
     return Report.no_equation(

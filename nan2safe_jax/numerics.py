@@ -60,9 +60,11 @@ MASK_FILL = -1e37
 
 def huge_values(x):
     """Where ``x`` (a real array, NumPy or JAX) holds a finite value past ``HUGE_DATA`` in
-    magnitude that is not a mask fill (``MASK_FILL`` or below)."""
+    magnitude that is not a mask fill (``MASK_FILL`` or below); both bounds rounded to ``x``'s
+    dtype, as the train step compares them, so the host's verdict is the device's."""
     xp = np if isinstance(x, np.ndarray) else jnp
-    return xp.isfinite(x) & (xp.abs(x) >= HUGE_DATA) & (x > MASK_FILL)
+    huge, fill = (xp.asarray(v, x.dtype) for v in (HUGE_DATA, MASK_FILL))
+    return xp.isfinite(x) & (xp.abs(x) >= huge) & (x > fill)
 
 
 def nonfinite_kinds(tree) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -81,6 +83,7 @@ def nonfinite_kinds(tree) -> tuple[jax.Array, jax.Array, jax.Array]:
     """
     bad, minus, huge = [], [], []
     for x in floating_leaves(tree):
+        x = jnp.asarray(x)  # a Python float leaf too
         wide = float(jnp.finfo(x.dtype).max) > HUGE_DATA
         if jnp.iscomplexobj(x):
             bad.append(jnp.any(~jnp.isfinite(x)))
@@ -93,6 +96,12 @@ def nonfinite_kinds(tree) -> tuple[jax.Array, jax.Array, jax.Array]:
     return some(bad), some(minus), some(huge)
 
 
+def device_view(a: np.ndarray) -> np.ndarray:
+    """``a`` in the dtype the step reads it in (a float64 batch leaf is float32 there unless
+    x64 is on): a host check of it then agrees with the step's."""
+    return np.asarray(a, jax.dtypes.canonicalize_dtype(a.dtype))
+
+
 def first_huge(tree) -> str | None:
     """Host-side scan: the key path of the first real floating leaf holding a finite value of
     magnitude ``HUGE_DATA`` or more, not a mask fill (``nonfinite_kinds``'s third verdict), or
@@ -103,7 +112,7 @@ def first_huge(tree) -> str | None:
         a = np.asarray(leaf)
         if not _inexact(a.dtype) or np.iscomplexobj(a) or jnp.finfo(a.dtype).max <= HUGE_DATA:
             continue
-        if np.any(huge_values(a.astype(np.float64))):
+        if np.any(huge_values(device_view(a))):
             return jax.tree_util.keystr(path)
     return None
 

@@ -338,8 +338,9 @@ def train_step(
     whole optimizer state is kept. A batch with a NaN or ``+inf`` is data, not a fault
     (``metrics["polluted"]``): it is skipped with the gears and the whole optimizer state,
     loss scale included, untouched. A ``-inf`` in the batch (an additive mask's fill) is a
-    value, as it is to the probes: the step trains on it, and only a step whose loss goes
-    non-finite with it is a polluted batch.
+    value, as it is to the probes: the step trains on it, and only a step whose loss (or a
+    probe) goes non-finite with it is a polluted batch; so is a finite value past 2**64
+    that is no mask fill (``numerics.huge_values``: it squares past f32).
     """
     if partitioned:
         with probe_lib.partitioned():
@@ -683,8 +684,8 @@ def make_train_step(
       (the loss, the gradients and every probe of the model finite: a norm whose variance
       overflowed outputs finite zeros, and only its probe reads the inf),
       ``overflow``, ``incident`` (a non-finite step the model made: tier 2's case),
-      ``polluted`` (a NaN or ``+inf`` in the batch, or a ``-inf`` there with a non-finite
-      loss or probe; a healthy step trains on ``-inf``, a mask fill), ``bad_update``,
+      ``polluted`` (a NaN or ``+inf`` in the batch, or a ``-inf`` or a value past 2**64
+      there with a non-finite loss or probe; a healthy step trains on either), ``bad_update``,
       ``bad_rest`` and ``next_gear``. A skipped step's ``loss`` is what it computed (NaN or
       inf, or finite when only a probe read a non-finite value): a loop of your own
       averages the losses of the steps with ``skipped`` False. The step does not undo a

@@ -408,11 +408,13 @@ def test_an_eager_call_under_remat_compiles_nothing_its_first_call_did_not(count
     their own sites: an overflow in the second is located there, not in the first."""
     model = nn.convert(_TwinLinears(nnx.Rngs(0)))
     x = jax.random.normal(jax.random.key(0), (4, 8))
-    first = nnx.remat(lambda m, x: m(x))(model, x)
-    with count_compiles() as c:
-        again = nnx.remat(lambda m, x: m(x))(model, x)
-    assert c.count == 0
-    np.testing.assert_array_equal(np.asarray(first, np.float32), np.asarray(again, np.float32))
+    outs, counts = [], []
+    for _ in range(2):  # an evaluation loop: a fresh remat, eagerly, from one line
+        with count_compiles() as c:
+            outs.append(np.asarray(nnx.remat(lambda m, x: m(x))(model, x), np.float32))
+        counts.append(c.count)
+    assert counts[0] > 0 and counts[1] == 0, counts
+    np.testing.assert_array_equal(outs[0], outs[1])
 
     model.a.bias[...] = jnp.full((8,), 10.0, jnp.float32)  # tanh(a(x)) ~ 1 everywhere
     model.b.kernel[...] = jnp.full((8, 8), 1e38, jnp.float32)  # b's sums pass bf16's range
@@ -434,3 +436,38 @@ def test_config_validation(tiny):
         TransformerConfig(dtype=jnp.int32)
     with pytest.raises(ValueError, match="no Knob"):
         set_knob(tiny[0], "nope", 1.0)
+
+
+@jax.custom_vjp
+def _users_rule(x):
+    return x * 2.0
+
+
+_users_rule.defvjp(lambda x: (x * 2.0, None), lambda _, ct: (ct * 3.0,))
+
+
+def test_a_run_is_reused_only_where_its_text_is_all_it_computes(monkeypatch):
+    """``dispatch._rules``: a user's custom rule (its backward named only, in the jaxpr's text)
+    is never reused; a library's (jax.nn.relu's) is, by its source location. The cache keeps
+    the most recently used runs (``_RUNS_MAX``)."""
+    from nan2safe_jax.ops import dispatch
+
+    x = jnp.ones((3,))
+    users = jax.make_jaxpr(lambda x: _users_rule(x) + 1.0)(x)
+    assert dispatch._rules(users.jaxpr) is None
+    library = jax.make_jaxpr(jax.nn.relu)(x)
+    rules = dispatch._rules(library.jaxpr)
+    assert rules and any(r.startswith("relu at ") for r in rules), rules
+    assert all(r.rsplit(" at ", 1)[-1].startswith(dispatch._LIBRARY_PREFIXES) for r in rules)
+    assert dispatch._rules(jax.make_jaxpr(jnp.sin)(x).jaxpr) == ()
+
+    monkeypatch.setattr(dispatch, "_RUNS", dispatch.collections.OrderedDict())
+    monkeypatch.setattr(dispatch, "_RUNS_MAX", 2)
+    made = []
+
+    def make(tag):
+        return lambda: made.append(tag) or tag
+
+    assert [dispatch._reused_run(k, make(k)) for k in ("a", "b", "a", "c", "b")] == list("abacb")
+    assert made == ["a", "b", "c", "b"]  # "b", least recently used, left for "c"
+    assert dispatch._reused_run(None, make("z")) == "z" and list(dispatch._RUNS) == ["c", "b"]

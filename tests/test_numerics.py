@@ -56,6 +56,29 @@ def test_host_check_skips_keys_and_sees_complex():
     assert numerics.first_nonfinite(tree) == "['c']"
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, jnp.bfloat16, np.float16])
+def test_huge_values_are_the_same_verdict_on_the_host_and_in_the_step(dtype):
+    """``nonfinite_kinds``'s third flag (in the step) and ``first_huge`` (on the host) against
+    a float64 reference: a finite value of magnitude 2**64 or more that is no mask fill
+    (above -1e37, each bound as the leaf's dtype rounds it); fp16 holds none; ``-inf``, NaN,
+    ints, keys and Python floats are never huge."""
+    values = [1.0, 2.0**64, -(2.0**64), 1e30, -1e30, 3e38, -1e37, -3.4e38, 1e19, -np.inf]
+    wide = jnp.finfo(dtype).max > 2.0**64
+    for v in values:
+        x = np.zeros(4, np.float64)
+        x[2] = v
+        # a float64 leaf stays float64 on the host; the step reads it as float32 (x64 off)
+        leaf = x if dtype == np.float64 else np.asarray(jnp.asarray(x, dtype))
+        ref = numerics.device_view(leaf).astype(np.float64)[2]
+        fill = float(np.asarray(np.asarray(-1e37, numerics.device_view(leaf).dtype), np.float64))
+        want = bool(wide and np.isfinite(ref) and abs(ref) >= 2.0**64 and ref > fill)
+        tree = {"x": leaf, "i": np.arange(3), "k": jax.random.key(0), "f": 0.5}
+        got = bool(jax.jit(lambda t: numerics.nonfinite_kinds(t)[2])(tree))
+        assert got is want, (v, dtype)
+        assert (numerics.first_huge(tree) == "['x']") is want, (v, dtype)
+    assert bool(numerics.nonfinite_kinds({"f": 1e30})[2])  # a Python float leaf, eagerly
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, jnp.bfloat16])
 @pytest.mark.parametrize("bad", [None, "small", "large"])
 def test_sum_of_squares_matches_float64_with_small_leaves_batched(dtype, bad):

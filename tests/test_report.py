@@ -403,6 +403,21 @@ def test_site_rows_from_site_gears_and_events(tmp_path):
     assert labels == ["FAST", "STABLE", "SAFE", "a", "c", "d"]
 
 
+def test_one_layer_of_a_stack_in_safe_is_one_row(tmp_path):
+    """The trainer's ``safe_sites`` name one layer of a stack ``blocks.attn[2]``, and its
+    ``safe_enter`` event says ``site="blocks.attn", layer=2``: one row, not two (review
+    helper-86); an exit names the site, and closes its layers' rows."""
+    with R.EventLog(tmp_path) as log:
+        for s in range(10):
+            safe = ["blocks.attn[2]"] if 3 <= s < 6 else []
+            log.log_metrics({"step": s, "loss": 1.0, "safe_sites": safe})
+        log.append("safe_enter", 3, site="blocks.attn", layer=2, steps=8)
+        log.append("safe_exit", 6, site="blocks.attn")
+        log.append("safe_enter", 7, site="mlp", layer=[1, 0], steps=2)  # a stack of stacks
+    rows = R._site_rows(R._load(tmp_path))
+    assert rows == {"blocks.attn[2]": [(3.0, 3.0)], "mlp[1][0]": [(7.0, 2.0)]}, rows
+
+
 def test_decimate_keeps_extremes():
     y = np.arange(100_000, dtype=np.float64)
     y[777] = 1e9

@@ -33,12 +33,13 @@ distinct path once, and a gear that maps to a single path needs no ``cond`` at a
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
-import functools
 import operator
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -47,7 +48,6 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import source_info_util as _source_info
 
 from nan2safe_jax.manual_axes import cotangents_like
 from nan2safe_jax.site import branch_site as branch_site  # re-exported: ops.branch_site
@@ -230,7 +230,15 @@ def _trace(branch: Callable[..., Any], args: Sequence[Any]):
 def _as_call(closed, tree, branch) -> Callable[..., Any]:
     """A traced branch as a ``jit`` call named as ``branch`` (``_traced_now``)."""
     bind = jax.extend.core.jaxpr_as_fun(closed)
-    call = jax.jit(functools.wraps(branch)(lambda *leaves: bind(*leaves)))
+
+    def traced(*leaves):
+        return bind(*leaves)
+
+    # The branch's names only: ``functools.wraps`` kept the branch itself (``__wrapped__``), and
+    # with it the tracers a site's branch closes over, in every run ``_RUNS`` keeps.
+    traced.__name__ = getattr(branch, "__name__", "branch")
+    traced.__qualname__ = getattr(branch, "__qualname__", traced.__name__)
+    call = jax.jit(traced)
 
     def again(*a):
         return jax.tree_util.tree_unflatten(tree, call(*jax.tree_util.tree_leaves(a)))
@@ -242,11 +250,17 @@ def _as_call(closed, tree, branch) -> Callable[..., Any]:
 # ``nnx.remat`` outside any ``jit``: remat traces its function at every call) traced new ``jit``
 # and ``cond`` functions each time, and evaluated them eagerly: each compiled again, every call
 # (newuser52: 35-45 s per forward of a small converted ViT, against 0.05 s for flax's). The same
-# trace now reuses one run, whose equations JAX's own caches then compile once.
-_RUNS: dict[Any, Callable[..., Any]] = {}
+# trace now reuses one run, whose equations JAX's own caches then compile once. Least recently
+# used first out; one lock, as the step's background compile traces beside the main thread.
+_RUNS: collections.OrderedDict[Any, Callable[..., Any]] = collections.OrderedDict()
 _RUNS_MAX = 4096
-# Libraries whose frames are no user's (as ``replay.locate.user_frames`` reads them, with JAX).
-_LIBRARY_DIRS = tuple(
+_RUNS_LOCK = threading.Lock()
+# Equations whose printed form leaves out what they compute: a custom rule's functions (named
+# only), a callback's; and any non-scalar literal (printed ``[...]``). ``_rules`` reads them.
+_UNPRINTED = ("custom_vjp_call", "custom_jvp_call", "callback")
+# A custom rule of these libraries' own is a module function whose static arguments also shape
+# the printed primal: its source location names it. Any other (a user's) is not reused.
+_LIBRARY_PREFIXES = tuple(
     os.path.dirname(m.__file__) + os.sep
     for m in (jax, __import__("flax"), __import__("optax"), __import__("nan2safe_jax"))
     if getattr(m, "__file__", None)
@@ -254,35 +268,83 @@ _LIBRARY_DIRS = tuple(
 
 
 def _caller_lines() -> tuple[tuple[str, int], ...]:
-    """``(file, line)`` of the frames from the op's caller out to the first one outside JAX,
-    Flax, optax and nan2safe_jax (the model's line that called the site): the part of the
-    equations' traceback the localizer reads (``source``, ``user_source``). The frames further
-    out (who called the model) are left out: a model called from two lines traces one run."""
+    """``(file, line)`` of every frame above this module's: the traceback the equations of a
+    run carry (the localizer reads the user's whole call chain, ``replay.nearest``)."""
     lines, frame = [], sys._getframe(1)
     while frame is not None:
-        path = frame.f_code.co_filename
-        if path != __file__:
-            lines.append((path, frame.f_lineno))
-            if not path.startswith(_LIBRARY_DIRS):
-                break
+        if frame.f_code.co_filename != __file__:
+            lines.append((frame.f_code.co_filename, frame.f_lineno))
         frame = frame.f_back
     return tuple(lines)
 
 
+def _rules(jaxpr) -> tuple[str, ...] | None:
+    """What ``jaxpr``'s text leaves out (``_UNPRINTED``), nested jaxprs included: the source
+    locations of its custom rules when every one is a library's; None when any is a user's, a
+    callback, or a non-scalar literal (a run holding one is not reused)."""
+    found: list[str] = []
+    for eqn in jaxpr.eqns:
+        if any(word in eqn.primitive.name for word in _UNPRINTED):
+            if "callback" in eqn.primitive.name:
+                return None
+            for fun in eqn.params.values():
+                info = getattr(getattr(fun, "debug_info", None), "func_src_info", None)
+                if info is None:
+                    continue
+                where = info.rsplit(" at ", 1)[-1]
+                if not where.startswith(_LIBRARY_PREFIXES):
+                    return None
+                found.append(info)
+        for v in eqn.invars:
+            if isinstance(v, jax.extend.core.Literal) and np.ndim(v.val) > 0:
+                return None
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            inner = _rules(sub)
+            if inner is None:
+                return None
+            found.extend(inner)
+    return tuple(found)
+
+
 def _run_key(traced, args, name) -> Any:
     """What a ``_geared`` run depends on: each branch's jaxpr (as text: its equations, avals and
-    parameters) and output tree, the operands' tree, the branch site, the name stack and the
-    callers' lines (the equations' source information, which the text leaves out: a run reused
-    at another site or line would name the first one to the localizer). None (no reuse) when a
-    branch closes over a value (a constant of its jaxpr)."""
+    parameters), output tree and name, the operands' tree, the branch site, the name stack and
+    every caller's line (the equations' source information, which the text leaves out: a run
+    reused at another site or line would name the first one to the localizer). None (no reuse)
+    inside the train step (``hoisting()``: each of its programs is traced once, and the key
+    would cost its trace time), or when a branch holds what its text does not show: a
+    constant, a user's custom rule, a callback (``_rules``)."""
+    if hoisted():
+        return None
     if any(closed.consts for closed, _, _ in traced):
         return None
+    rules = [_rules(closed.jaxpr) for closed, _, _ in traced]
+    if any(r is None for r in rules):
+        return None
     branches = tuple(
-        (str(closed.jaxpr), tree, getattr(b, "__qualname__", None)) for closed, tree, b in traced
+        (str(closed.jaxpr), tree, getattr(b, "__qualname__", None), r)
+        for (closed, tree, b), r in zip(traced, rules, strict=True)
     )
     operands = jax.tree_util.tree_structure(tuple(args))
-    stack = str(_source_info.current_name_stack())
+    stack = str(jax.extend.source_info_util.current_name_stack())
     return branches, operands, name, stack, _caller_lines()
+
+
+def _reused_run(key, make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+    """The run cached under ``key`` (None: a new one, not kept), else ``make()``'s, kept."""
+    if key is None:
+        return make()
+    with _RUNS_LOCK:
+        run = _RUNS.get(key)
+        if run is not None:
+            _RUNS.move_to_end(key)
+            return run
+    run = make()
+    with _RUNS_LOCK:
+        _RUNS[key] = run
+        while len(_RUNS) > _RUNS_MAX:
+            _RUNS.popitem(last=False)
+    return run
 
 
 class _FastVJP(NamedTuple):
@@ -321,15 +383,8 @@ def _geared(gear, branches, args):
     # Clamped once, as ``lax.switch`` clamps: a gear below 0 runs FAST, and its backward must
     # then read FAST's residuals (``_fast_residuals`` keeps them at index 0 only).
     gear = jnp.clip(gear, 0, len(branches) - 1)
-    key = _run_key(traced, args, name)
-    run = _RUNS.get(key) if key is not None else None
-    if run is None:
-        run = _geared_run([_as_call(*t) for t in traced])
-        if key is not None:
-            if len(_RUNS) >= _RUNS_MAX:
-                _RUNS.pop(next(iter(_RUNS)))
-            _RUNS[key] = run
-    return run(gear, tuple(args))
+    make = lambda: _geared_run([_as_call(*t) for t in traced])  # noqa: E731
+    return _reused_run(_run_key(traced, args, name), make)(gear, tuple(args))
 
 
 def _geared_run(calls: Sequence[Callable[..., Any]]) -> Callable[..., Any]:

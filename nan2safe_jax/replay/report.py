@@ -78,7 +78,9 @@ class Report:
       direction: ``"backward"`` if the name stack contains a ``transpose(`` (the equation was
         emitted while transposing, i.e. it computes cotangents), else ``"forward"``; None when
         no equation is blamed (polluted input, damaged state, not reproducible).
-      kind: ``"inf"`` or ``"nan"`` — what the culprit's output holds (``"nan"`` if both).
+      kind: ``"inf"`` or ``"nan"`` — what the culprit's output holds (``"nan"`` if both); for a
+        polluted input, what the batch holds: also ``"huge"`` (finite values past 2**64),
+        ``"label"`` (out of range) or ``"empty"`` (no rows).
       first_nan: when ``kind == "inf"``, the first equation that produced a NaN from NaN-free
         inputs (often the ``inf - inf`` after an overflow), else None.
       eqn_path: equation indices from the top-level jaxpr down to the culprit; entering a sub-jaxpr

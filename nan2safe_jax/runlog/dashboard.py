@@ -50,6 +50,14 @@ def _max_gear(g: Any) -> int:
     return 0
 
 
+def _layer_name(site: str, layer: Any) -> str:
+    """A ``safe_enter``'s row: ``site[layer]`` for one layer of a stack (the trainer's
+    ``safe_sites`` name it so), else the site."""
+    if layer is None:
+        return site
+    return site + "".join(f"[{i}]" for i in np.atleast_1d(np.asarray(layer)).reshape(-1))
+
+
 def _site_rows(run: _Run) -> dict[str, list[tuple[float, float]]]:
     """Per site that entered SAFE: the ``(start, width)`` step intervals it spent in SAFE.
 
@@ -84,10 +92,11 @@ def _site_rows(run: _Run) -> dict[str, list[tuple[float, float]]]:
             continue
         site = str(site)
         if ev.get("type") == "safe_enter":
-            entered[site] = ev
-        elif ev.get("type") == "safe_exit" and site in entered:
-            a = float(entered.pop(site)["step"])
-            from_events.setdefault(site, []).append((a, max(float(ev["step"]) - a, 1.0)))
+            entered[_layer_name(site, ev.get("layer"))] = ev
+        elif ev.get("type") == "safe_exit":  # an exit names the site: every layer of it leaves
+            for name in [n for n, e in entered.items() if str(e["site"]) == site]:
+                a = float(entered.pop(name)["step"])
+                from_events.setdefault(name, []).append((a, max(float(ev["step"]) - a, 1.0)))
     for site, ev in entered.items():
         a = float(ev["step"])
         end = a + float(ev["steps"]) if isinstance(ev.get("steps"), (int, float)) else last
