@@ -420,6 +420,17 @@ class _Fp16Dense(nnx.Module):
         return self.lin(x).astype(jnp.float32)
 
 
+def _held_fp16_kernel():
+    """``(batches, cfg, model, loss)``: an fp16 layer whose f32 kernel is x3e4 from the start
+    (every checkpoint holds it), and 8 batches whose 16-term dot products then pass 65504."""
+    rng = np.random.default_rng(0)
+    batches = [jnp.asarray(rng.normal(size=(8, 16)), jnp.float32) for _ in range(8)]
+    cfg = Config(checkpoint_every=2, safe_max_steps=20, recovery_window=8, min_history=8)
+    model = _Fp16Dense(rngs=nnx.Rngs(0))
+    model.lin.kernel[...] = model.lin.kernel[...] * 3e4
+    return batches, cfg, model, lambda m, x: jnp.mean(m(x) ** 2) * 1e-9
+
+
 def test_a_weight_huge_in_every_checkpoint_is_carried_by_safe_in_place(tmp_path):
     """The f32 kernel of an fp16 layer is grown too large from the start (x3e4: its fp16 cast
     at ~30% of the range, examples/nnx_cnn.py's fault), so every checkpoint holds it, and the
@@ -429,12 +440,7 @@ def test_a_weight_huge_in_every_checkpoint_is_carried_by_safe_in_place(tmp_path)
     oldest checkpoint was restored and replayed into the same fault until the run stopped.
     With short SAFE and STABLE stays, the layer returns to FAST and fails again: each time
     the gears are tried in place again, never a rollback or a stop (review helper-84)."""
-    rng = np.random.default_rng(0)
-    batches = [jnp.asarray(rng.normal(size=(8, 16)), jnp.float32) for _ in range(8)]
-    cfg = Config(checkpoint_every=2, safe_max_steps=20, recovery_window=8, min_history=8)
-    model = _Fp16Dense(rngs=nnx.Rngs(0))
-    model.lin.kernel[...] = model.lin.kernel[...] * 3e4
-    loss = lambda m, x: jnp.mean(m(x) ** 2) * 1e-9  # noqa: E731
+    batches, cfg, model, loss = _held_fp16_kernel()
     with nan2safe.Trainer(model, optax.sgd(1e-3), loss, cfg, tmp_path) as tr:
         hist = tr.fit(batches, steps=8)
         ev = tr.events
@@ -446,8 +452,7 @@ def test_a_weight_huge_in_every_checkpoint_is_carried_by_safe_in_place(tmp_path)
     assert len(bad) == 1 and tried["step"] == hist[bad[0]]["step"] and bad[0] < len(hist) - 2
 
     short = cfg.replace(safe_max_steps=1, recovery_window=2)
-    model = _Fp16Dense(rngs=nnx.Rngs(0))
-    model.lin.kernel[...] = model.lin.kernel[...] * 3e4
+    model = _held_fp16_kernel()[2]
     with nan2safe.Trainer(model, optax.sgd(1e-3), loss, short, tmp_path / "short") as tr:
         tr.fit(batches * 3, steps=24)
         ev = tr.events
@@ -466,12 +471,7 @@ def test_a_damaged_state_is_rolled_back_while_a_weight_every_checkpoint_held_is_
     goes on finite. Before, the damage took the held weight's path (the gears in place, the
     NaN kept), and that path read the weight's range from the damage report, which names no
     weight: a ``TypeError`` out of ``fit``."""
-    rng = np.random.default_rng(0)
-    batches = [jnp.asarray(rng.normal(size=(8, 16)), jnp.float32) for _ in range(8)]
-    cfg = Config(checkpoint_every=2, safe_max_steps=20, recovery_window=8, min_history=8)
-    model = _Fp16Dense(rngs=nnx.Rngs(0))
-    model.lin.kernel[...] = model.lin.kernel[...] * 3e4
-    loss = lambda m, x: jnp.mean(m(x) ** 2) * 1e-9  # noqa: E731
+    batches, cfg, model, loss = _held_fp16_kernel()
     with nan2safe.Trainer(model, optax.sgd(1e-3), loss, cfg, tmp_path) as tr:
         tr.fit(batches[:4], steps=4)
         assert [e["type"] for e in tr.events if e["type"] == "error"] == ["error"]
