@@ -53,7 +53,7 @@ from nan2safe_jax.replay import magnitude
 from nan2safe_jax.replay.locate import locate_replayed
 from nan2safe_jax.replay.nearest import nearest_site
 from nan2safe_jax.replay.report import Report, array_stats, channel_scan
-from nan2safe_jax.site import param_name
+from nan2safe_jax.site import layer_name, param_name
 
 log = logging.getLogger(__name__)
 
@@ -572,7 +572,7 @@ def _downshift(
         repeat = repeat and made_in_safe
     new = gear_lib.set_site(gs, site, Gear.SAFE, index=index, cfg=cfg)
     left = int(np.max(np.asarray(new.safe_left[site])))
-    where = site if index is None else f"{site}[{index}]"
+    where = layer_name(site, index)
     action = f"site {where} -> SAFE for {left} steps"
     if hint is not None:  # the culprit is in no site: its input's maker is
         action = (

@@ -17,12 +17,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import os
 import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from nan2safe_jax.probe import NUM_STATS
@@ -153,6 +155,23 @@ def scoped(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 def current_branch_site() -> str | None:
     """The site named by the innermost ``branch_site`` block, or None outside one."""
     return _BRANCH_SITE.get()
+
+
+# Libraries whose lines are no user's: optax too, whose losses ``ops.cross_entropy`` (FAST) and
+# users' loss functions call. (JAX's own frames JAX's tracebacks leave out already.)
+LIBRARY_DIRS = tuple(
+    os.path.dirname(m.__file__) + os.sep
+    for m in (__import__("nan2safe_jax"), __import__("flax"), __import__("optax"))
+    if getattr(m, "__file__", None)
+)
+
+
+def layer_name(site: str, index: Any = None) -> str:
+    """``site``, or one layer of a stacked site as ``site[i]`` (``site[i][j]`` in a stack of
+    stacks): how actions, the history's ``safe_sites`` and the dashboard name it."""
+    if index is None:
+        return site
+    return site + "".join(f"[{int(i)}]" for i in np.atleast_1d(np.asarray(index)).reshape(-1))
 
 
 def site_from_name_stack(name_stack: str) -> str | None:

@@ -37,6 +37,7 @@ from nan2safe_jax import gear as gear_lib
 from nan2safe_jax import incidents, programs
 from nan2safe_jax import optax as guard_lib
 from nan2safe_jax import sharding as sharding_lib
+from nan2safe_jax import site as site_lib
 from nan2safe_jax import watchdog as watchdog_lib
 from nan2safe_jax import workdir as workdir_lib
 from nan2safe_jax.checkpoint import (
@@ -164,7 +165,7 @@ def _safe_sites(site_gears: dict) -> list[str]:
         if safe.ndim == 0 or safe.all():
             out.extend([name] if safe.all() else [])
             continue
-        out.extend(name + "".join(f"[{i}]" for i in at) for at in np.argwhere(safe))
+        out.extend(site_lib.layer_name(name, at) for at in np.argwhere(safe))
     return out
 
 

@@ -50,8 +50,8 @@ import numpy as np
 from jax import lax
 
 from nan2safe_jax.manual_axes import cotangents_like
+from nan2safe_jax.site import LIBRARY_DIRS, current_branch_site, scoped
 from nan2safe_jax.site import branch_site as branch_site  # re-exported: ops.branch_site
-from nan2safe_jax.site import current_branch_site, scoped
 
 FAST_ONLY = np.dtype(np.uint8)  # the dtype of a gear that is FAST, known at trace time
 
@@ -258,13 +258,9 @@ _RUNS_LOCK = threading.Lock()
 # Equations whose printed form leaves out what they compute: a custom rule's functions (named
 # only), a callback's; and any non-scalar literal (printed ``[...]``). ``_rules`` reads them.
 _UNPRINTED = ("custom_vjp_call", "custom_jvp_call", "callback")
-# A custom rule of these libraries' own is a module function whose static arguments also shape
-# the printed primal: its source location names it. Any other (a user's) is not reused.
-_LIBRARY_PREFIXES = tuple(
-    os.path.dirname(m.__file__) + os.sep
-    for m in (jax, __import__("flax"), __import__("optax"), __import__("nan2safe_jax"))
-    if getattr(m, "__file__", None)
-)
+# A custom rule of these libraries' own (JAX's too) is a module function whose static arguments
+# also shape the printed primal: its source location names it. Any other (a user's) is not reused.
+_LIBRARY_PREFIXES = (*LIBRARY_DIRS, os.path.dirname(jax.__file__) + os.sep)
 
 
 def _caller_lines() -> tuple[tuple[str, int], ...]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import re
 import time
 from collections.abc import Sequence
@@ -45,7 +44,7 @@ from nan2safe_jax.replay.report import (
     path_str,
 )
 from nan2safe_jax.replay.search import Found, Session, first_flagged, flatten, search
-from nan2safe_jax.site import site_from_name_stack
+from nan2safe_jax.site import LIBRARY_DIRS, site_from_name_stack
 
 __all__ = ["locate", "locate_replayed", "locate_step"]
 
@@ -67,18 +66,9 @@ def _kind_of(outvals: Sequence[Any]) -> tuple[str | None, int | None]:
     return kind, first
 
 
-# Libraries whose lines are no user's: optax too, whose losses ``ops.cross_entropy`` (FAST) and
-# users' loss functions call.
-_OWN_DIRS = tuple(
-    os.path.dirname(m.__file__) + os.sep
-    for m in (__import__("nan2safe_jax"), __import__("flax"), __import__("optax"))
-    if getattr(m, "__file__", None)
-)
-
-
 def user_frames(frames: Sequence[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
     """The frames outside JAX, Flax, optax and nan2safe_jax, innermost first: the user's."""
-    return tuple(f for f in frames if not f[0].startswith(_OWN_DIRS))
+    return tuple(f for f in frames if not f[0].startswith(LIBRARY_DIRS))
 
 
 def user_source(frames: Sequence[tuple[str, int]]) -> str | None:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from nan2safe_jax.runlog.summary import GEAR_NAMES, _fmt, _incident_label, _load, _Run, _summarize
+from nan2safe_jax.site import layer_name
 
 DASHBOARD_FILE = "dashboard.png"
 MAX_POINTS = 5000  # per plotted series; above this the series is decimated (extremes kept)
@@ -50,14 +51,6 @@ def _max_gear(g: Any) -> int:
     return 0
 
 
-def _layer_name(site: str, layer: Any) -> str:
-    """A ``safe_enter``'s row: ``site[layer]`` for one layer of a stack (the trainer's
-    ``safe_sites`` name it so), else the site."""
-    if layer is None:
-        return site
-    return site + "".join(f"[{i}]" for i in np.atleast_1d(np.asarray(layer)).reshape(-1))
-
-
 def _site_rows(run: _Run) -> dict[str, list[tuple[float, float]]]:
     """Per site that entered SAFE: the ``(start, width)`` step intervals it spent in SAFE.
 
@@ -92,7 +85,7 @@ def _site_rows(run: _Run) -> dict[str, list[tuple[float, float]]]:
             continue
         site = str(site)
         if ev.get("type") == "safe_enter":
-            entered[_layer_name(site, ev.get("layer"))] = ev
+            entered[layer_name(site, ev.get("layer"))] = ev
         elif ev.get("type") == "safe_exit":  # an exit names the site: every layer of it leaves
             for name in [n for n, e in entered.items() if str(e["site"]) == site]:
                 a = float(entered.pop(name)["step"])
